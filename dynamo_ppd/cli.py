@@ -1,0 +1,143 @@
+"""`dynamo-ppd` command line. Each subcommand is a thin shell over a module; errors the user can
+fix exit with code 2 and one line saying what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import __version__
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (1-65535)")
+    return value
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="run a graph locally: NATS, etcd, Dynamo's frontend and the workers",
+        description="Start nats-server (JetStream) and etcd on 127.0.0.1 with throw-away data "
+        "directories, then each component of GRAPH in order; wait until the model is listed on "
+        "/v1/models, print the endpoint and a curl line, and run until Ctrl-C or SIGTERM, which "
+        "stop every process (workers deregister from etcd at once). Each process's log is kept in "
+        "RUN_DIR/logs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("graph", nargs="?", default="pd",
+                   help="graph name (a file NAME.yaml in ./graphs or the bundled graphs) or a path "
+                   "to a graph YAML file")
+    p.add_argument("--http-port", type=_port, default=8000, help="frontend HTTP port")
+    p.add_argument("--nats-port", type=_port, default=4222, help="port for the NATS server we start")
+    p.add_argument("--etcd-port", type=_port, default=2379, help="client port for the etcd we start")
+    p.add_argument("--nats-url", help="use this running NATS server instead of starting one "
+                   "(e.g. nats://127.0.0.1:4222)")
+    p.add_argument("--etcd-url", help="use this running etcd instead of starting one "
+                   "(e.g. http://127.0.0.1:2379)")
+    p.add_argument("--model-dir", type=Path, help="local model directory; default: the cache "
+                   "directory's model, created by `model init` when missing")
+    p.add_argument("--run-dir", type=Path, help="where logs and run.json go; default "
+                   "runs/GRAPH-TIMESTAMP")
+    p.add_argument("--ready-timeout", type=float, default=120.0,
+                   help="seconds to wait for the model to be listed on /v1/models")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the graph, check its programs exist, print the commands; start nothing")
+    p.add_argument("--exit-when-ready", action="store_true",
+                   help="stop everything as soon as the graph is ready (a start-up check)")
+
+
+def _add_model(sub) -> None:
+    p = sub.add_parser("model", help="the local model directory (tokenizer, config.json)")
+    msub = p.add_subparsers(dest="model_command", required=True, metavar="{init,info}")
+    init = msub.add_parser(
+        "init", help="write the local model directory",
+        description="Train a byte-level BPE tokenizer on a seeded synthetic corpus and write it "
+        "with a Llama-3-style chat template and a config.json shaped like Llama-3.1-8B. Nothing is "
+        "downloaded.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    init.add_argument("--dir", type=Path, help="target directory; default "
+                      "$DYNAMO_PPD_CACHE/models/llama-3.1-8b-sim (~/.cache/dynamo-ppd/...)")
+    init.add_argument("--vocab-size", type=int, default=8192, help="tokenizer vocabulary (>= 4096)")
+    init.add_argument("--seed", type=int, default=0, help="seed of the synthetic training corpus")
+    init.add_argument("--force", action="store_true", help="rewrite an existing directory")
+    info = msub.add_parser("info", help="print a model directory's metadata")
+    info.add_argument("--dir", type=Path, help="model directory; default: the cache directory's")
+
+
+def _add_bench(sub) -> None:
+    sub.add_parser("bench", help="multi-turn benchmark (not implemented yet)",
+                   description="The multi-turn benchmark lands with its own issue; not yet.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dynamo-ppd",
+        description="PPD router for NVIDIA Dynamo: multi-turn chat on prefill/decode "
+        "disaggregated clusters, with simulated workers for machines without GPUs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    _add_model(sub)
+    _add_bench(sub)
+    return parser
+
+
+def _serve(args) -> int:
+    from .launch import ServeOptions, serve
+
+    return serve(ServeOptions(
+        graph=args.graph, http_port=args.http_port, nats_port=args.nats_port,
+        etcd_port=args.etcd_port, nats_url=args.nats_url, etcd_url=args.etcd_url,
+        model_dir=args.model_dir, run_dir=args.run_dir, ready_timeout_s=args.ready_timeout,
+        dry_run=args.dry_run, exit_when_ready=args.exit_when_ready))
+
+
+def _model(args) -> int:
+    from . import model
+
+    if args.model_command == "init":
+        target = args.dir or model.default_model_dir()
+        if model.is_complete(target) and not args.force:
+            print(f"{target} already exists (use --force to rewrite it)")
+            return 0
+        print(f"training the tokenizer and writing {target} ...", flush=True)
+        path = model.init_model_dir(target, vocab_size=args.vocab_size, seed=args.seed, force=True)
+        info = model.load_model_info(path)
+        print(f"wrote {path} (vocab {info.vocab_size}, served as {info.served_model_name!r})")
+        return 0
+    info = model.load_model_info(args.dir or model.default_model_dir())
+    import msgspec
+
+    print(msgspec.json.format(msgspec.json.encode(info)).decode())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .launch import BadInput, GraphError, LaunchError
+    from .model import ModelDirError
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "model":
+            return _model(args)
+        if args.command == "bench":
+            print("dynamo-ppd bench: not yet (the multi-turn benchmark lands with its own issue)",
+                  file=sys.stderr)
+            return 2
+    except (GraphError, BadInput, ModelDirError) as exc:
+        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
+        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
+        return 1
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

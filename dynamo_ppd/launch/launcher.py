@@ -1,0 +1,313 @@
+"""`dynamo-ppd serve`: bring a graph up on loopback, report when it answers, tear it all down.
+
+Order: port checks -> model directory -> nats-server and etcd (unless external URLs are given) ->
+the graph's components in file order, each waited for -> the frontend lists the model on
+/v1/models. On Ctrl-C or SIGTERM (or if any process dies) every Dynamo process gets SIGTERM (they
+deregister from etcd at once), stragglers get SIGKILL, leases left by killed processes are
+revoked, then etcd and NATS stop and their data directories are deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import model as model_dir_mod
+from .graph import Graph, expand, load_graph
+from .process import ManagedProcess, ReadySpec, free_port, port_in_use, stop_all
+from .servers import Endpoints, dynamo_env, etcd_process, live_dynamo_keys, nats_process, revoke_leases
+
+
+class LaunchError(Exception):
+    """Startup failed; the message is one line saying what and where to look."""
+
+
+class BadInput(Exception):
+    """The user asked for something impossible (taken port, bad graph): exit 2, one line."""
+
+
+@dataclass
+class ServeOptions:
+    graph: str = "pd"
+    http_port: int = 8000
+    nats_port: int = 4222
+    etcd_port: int = 2379
+    nats_url: str | None = None  # use this NATS instead of starting one
+    etcd_url: str | None = None  # use this etcd instead of starting one
+    model_dir: Path | None = None
+    run_dir: Path | None = None
+    ready_timeout_s: float = 120.0
+    dry_run: bool = False
+    exit_when_ready: bool = False  # bring up, report, tear down (for scripts and smoke checks)
+
+
+@dataclass
+class Deployment:
+    """A running graph; `stop()` tears it down. Used by `serve` and by tests/benchmarks."""
+
+    graph: Graph
+    run_dir: Path
+    endpoints: Endpoints
+    http_port: int
+    model_name: str
+    servers: list[ManagedProcess] = field(default_factory=list)
+    workers: list[ManagedProcess] = field(default_factory=list)
+    temp_dirs: list[tempfile.TemporaryDirectory] = field(default_factory=list)
+    log: callable = print
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def processes(self) -> list[ManagedProcess]:
+        return self.servers + self.workers
+
+    def write_run_file(self, state: str) -> None:
+        record = {
+            "graph": self.graph.name, "state": state, "base_url": self.base_url,
+            "model": self.model_name, "nats_url": self.endpoints.nats_url,
+            "etcd_url": self.endpoints.etcd_url, "namespace": self.graph.namespace,
+            "processes": [{"label": p.label, "pid": p.popen.pid if p.popen else None,
+                           "argv": p.argv, "log": str(p.log_path)} for p in self.processes()],
+        }
+        (self.run_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    def first_dead(self) -> ManagedProcess | None:
+        return next((p for p in self.processes() if p.exit_code() is not None), None)
+
+    def stop(self) -> None:
+        killed = stop_all(list(reversed(self.workers)))
+        if killed:
+            self.log(f"  killed after stop timeout: {', '.join(killed)}")
+        self._clean_etcd()
+        stop_all(list(reversed(self.servers)))
+        for tmp in self.temp_dirs:
+            tmp.cleanup()
+        self.write_run_file("stopped")
+
+    def _clean_etcd(self) -> None:
+        """Revoke leases of keys our processes left (only a SIGKILLed worker leaves any)."""
+        etcd_alive = all(p.exit_code() is None for p in self.servers if p.label == "etcd")
+        if not etcd_alive:
+            return
+        try:
+            leftover = live_dynamo_keys(self.endpoints.etcd_url, self.graph.namespace)
+            if leftover:
+                revoke_leases(self.endpoints.etcd_url, leftover)
+                self.log(f"  revoked the leases of {len(leftover)} etcd keys left by stopped workers")
+        except Exception as exc:  # noqa: BLE001 (clean-up is best effort; say so, never hang)
+            self.log(f"  warning: could not check etcd for stale keys: {exc}")
+
+
+def _port_checks(opts: ServeOptions) -> None:
+    wanted = [(opts.http_port, "frontend HTTP", "--http-port")]
+    if not opts.nats_url:
+        wanted.append((opts.nats_port, "NATS", "--nats-port"))
+    if not opts.etcd_url:
+        wanted.append((opts.etcd_port, "etcd", "--etcd-port"))
+    for port, what, flag in wanted:
+        if port_in_use(port):
+            raise BadInput(f"port {port} ({what}) is already in use on 127.0.0.1; "
+                           f"stop what holds it or choose another with {flag}")
+
+
+def _default_run_dir(graph: Graph) -> Path:
+    return Path("runs") / f"{graph.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _wait_ready(procs: list[ManagedProcess], log) -> None:
+    start = time.monotonic()
+    pending = list(procs)
+    while pending:
+        for proc in list(pending):
+            code = proc.exit_code()
+            if code is not None:
+                raise LaunchError(f"{proc.label} exited with code {code} during startup; "
+                                  f"see {proc.log_path}\n{proc.log_tail()}")
+            if proc.is_ready():
+                pending.remove(proc)
+                log(f"  {proc.label} ready ({time.monotonic() - start:.1f} s)")
+            elif time.monotonic() - start > proc.ready.timeout_s:
+                raise LaunchError(f"{proc.label} not ready after {proc.ready.timeout_s:.0f} s; "
+                                  f"see {proc.log_path}")
+        if pending:
+            time.sleep(0.1)
+
+
+def _model_listed(base_url: str, model_name: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=2) as response:
+            data = json.loads(response.read())
+    except (OSError, ValueError):
+        return False
+    return any(m.get("id") == model_name for m in data.get("data", []))
+
+
+def _component_processes(graph: Graph, graph_dir: Path, deployment: Deployment,
+                         model_dir: Path) -> list[list[ManagedProcess]]:
+    """One list of processes per component, placeholders filled in."""
+    batches = []
+    taken: set[int] = {deployment.http_port}
+    for comp in graph.components:
+        batch = []
+        for replica in range(comp.replicas):
+            system_port = free_port(below=32768, avoid=taken)
+            taken.add(system_port)
+            values = {
+                "python": sys.executable, "model_dir": str(model_dir),
+                "model_name": deployment.model_name, "namespace": graph.namespace,
+                "http_port": deployment.http_port, "nats_url": deployment.endpoints.nats_url,
+                "etcd_url": deployment.endpoints.etcd_url, "system_port": system_port,
+                "replica": replica, "run_dir": str(deployment.run_dir), "graph_dir": str(graph_dir),
+            }
+            label = comp.name if comp.replicas == 1 else f"{comp.name}-{replica}"
+            env = {**_inherited_env(), **dynamo_env(deployment.endpoints, system_port),
+                   **{k: expand(v, values) for k, v in comp.env.items()}}
+            ready = ReadySpec(http=expand(comp.ready.http, values) if comp.ready.http else None,
+                              log=comp.ready.log, timeout_s=comp.ready.timeout_s)
+            batch.append(ManagedProcess(label, [expand(a, values) for a in comp.command], env,
+                                        deployment.run_dir / "logs" / f"{label}.log", ready,
+                                        comp.stop_timeout_s))
+        batches.append(batch)
+    return batches
+
+
+def _inherited_env() -> dict[str, str]:
+    import os
+
+    # Dynamo settings from the caller's shell would fight ours; everything else passes through.
+    return {k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "ETCD_", "NATS_"))}
+
+
+def start(opts: ServeOptions, log=print) -> Deployment:
+    """Bring the graph up and return it ready; on any failure, tear down what started and raise."""
+    graph, graph_path = load_graph(opts.graph)
+    _port_checks(opts)
+    model_dir = Path(opts.model_dir or model_dir_mod.default_model_dir())
+    if not model_dir_mod.is_complete(model_dir):
+        log(f"model directory {model_dir} is missing: creating it (once, ~10 s)")
+        model_dir_mod.init_model_dir(model_dir)
+    info = model_dir_mod.load_model_info(model_dir)
+
+    run_dir = Path(opts.run_dir or _default_run_dir(graph)).resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    endpoints = Endpoints(nats_url=opts.nats_url or f"nats://127.0.0.1:{opts.nats_port}",
+                          etcd_url=opts.etcd_url or f"http://127.0.0.1:{opts.etcd_port}")
+    deployment = Deployment(graph, run_dir, endpoints, opts.http_port, info.served_model_name, log=log)
+    t0 = time.monotonic()
+    try:
+        if not opts.nats_url:
+            tmp = tempfile.TemporaryDirectory(prefix="dynamo-ppd-nats-")
+            deployment.temp_dirs.append(tmp)
+            deployment.servers.append(nats_process(opts.nats_port, Path(tmp.name), run_dir / "logs" / "nats-server.log"))
+        if not opts.etcd_url:
+            tmp = tempfile.TemporaryDirectory(prefix="dynamo-ppd-etcd-")
+            deployment.temp_dirs.append(tmp)
+            deployment.servers.append(etcd_process(opts.etcd_port, Path(tmp.name), run_dir / "logs" / "etcd.log"))
+        for proc in deployment.servers:
+            proc.start()
+        _wait_ready(deployment.servers, log)
+        for batch in _component_processes(graph, graph_path.parent, deployment, model_dir):
+            for proc in batch:
+                proc.start()
+                deployment.workers.append(proc)
+            deployment.write_run_file("starting")
+            _wait_ready(batch, log)
+        deadline = time.monotonic() + opts.ready_timeout_s
+        while not _model_listed(deployment.base_url, deployment.model_name):
+            dead = deployment.first_dead()
+            if dead:
+                raise LaunchError(f"{dead.label} exited with code {dead.exit_code()}; see {dead.log_path}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"model {deployment.model_name!r} not listed on "
+                                  f"{deployment.base_url}/v1/models after {opts.ready_timeout_s:.0f} s; "
+                                  f"see the logs in {run_dir / 'logs'}")
+            time.sleep(0.2)
+    except BaseException:
+        deployment.stop()
+        raise
+    deployment.write_run_file("ready")
+    log(f"graph {graph.name!r} ready in {time.monotonic() - t0:.1f} s")
+    return deployment
+
+
+def dry_run(opts: ServeOptions, log=print) -> None:
+    """Validate the graph and print the commands it would run; checks each program exists."""
+    import shutil
+
+    graph, graph_path = load_graph(opts.graph)
+    model_dir = Path(opts.model_dir or model_dir_mod.default_model_dir())
+    run_dir = Path(opts.run_dir or _default_run_dir(graph))
+    endpoints = Endpoints(nats_url=opts.nats_url or f"nats://127.0.0.1:{opts.nats_port}",
+                          etcd_url=opts.etcd_url or f"http://127.0.0.1:{opts.etcd_port}")
+    deployment = Deployment(graph, run_dir, endpoints, opts.http_port, model_dir_mod.DEFAULT_MODEL_NAME)
+    log(f"graph {graph.name!r} ({graph_path}): {graph.description.strip()}")
+    for batch in _component_processes(graph, graph_path.parent, deployment, model_dir):
+        for proc in batch:
+            program = proc.argv[0]
+            if shutil.which(program) is None:
+                raise BadInput(f"{proc.label}: program {program!r} not found")
+            if program == sys.executable and proc.argv[1:2] == ["-m"]:
+                import importlib.util
+
+                if importlib.util.find_spec(proc.argv[2]) is None:
+                    raise BadInput(f"{proc.label}: Python module {proc.argv[2]!r} not found")
+            log(f"  {proc.label}: {' '.join(proc.argv)}")
+
+
+def serve(opts: ServeOptions) -> int:
+    """The `serve` command: returns the process exit code."""
+    if opts.dry_run:
+        dry_run(opts)
+        return 0
+    stop_requested: list[int] = []
+    running: list[Deployment] = []
+
+    def on_signal(signum, _frame):
+        if not running:  # still starting: unwind start(), which stops what it started
+            raise KeyboardInterrupt
+        stop_requested.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            deployment = start(opts, log=lambda m: print(m, flush=True))
+        except KeyboardInterrupt:
+            print("interrupted during startup; everything started was stopped", flush=True)
+            return 130
+        running.append(deployment)
+        _print_ready(deployment)
+        code = 0
+        while not stop_requested and not opts.exit_when_ready:
+            dead = deployment.first_dead()
+            if dead:
+                print(f"error: {dead.label} exited with code {dead.exit_code()}; see {dead.log_path}",
+                      file=sys.stderr, flush=True)
+                code = 1
+                break
+            time.sleep(0.2)
+        print("stopping ...", flush=True)
+        deployment.stop()
+        print("stopped: no process of the run is left", flush=True)
+        return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _print_ready(dep: Deployment) -> None:
+    body = json.dumps({"model": dep.model_name, "stream": True, "max_tokens": 32,
+                       "messages": [{"role": "user", "content": "Hello! Who are you?"}]})
+    print(f"""
+  OpenAI endpoint  {dep.base_url}/v1   (model {dep.model_name})
+  logs             {dep.run_dir}/logs/
+  try:  curl -sN {dep.base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'
+
+  Ctrl-C stops everything.
+""", flush=True)

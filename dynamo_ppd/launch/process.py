@@ -1,0 +1,171 @@
+"""One child process of a local deployment: started in its own session, logged to a file, stopped
+with SIGTERM then SIGKILL on its whole process group (so nothing it spawned is left behind)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ReadySpec:
+    http: str | None = None
+    log: str | None = None
+    tcp: tuple[str, int] | None = None
+    timeout_s: float = 60.0
+
+
+@dataclass
+class ManagedProcess:
+    label: str  # e.g. "decode-2" or "etcd"
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    ready: ReadySpec = field(default_factory=ReadySpec)
+    stop_timeout_s: float = 10.0
+    popen: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            # start_new_session: Ctrl-C in the terminal reaches only the launcher, which then stops
+            # the children in order; and the child's pid is its process-group id for killpg.
+            self.popen = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def exit_code(self) -> int | None:
+        return None if self.popen is None else self.popen.poll()
+
+    def is_ready(self) -> bool:
+        spec = self.ready
+        if spec.tcp and not _tcp_open(*spec.tcp):
+            return False
+        if spec.http and not _http_ok(spec.http):
+            return False
+        if spec.log and not _log_matches(self.log_path, spec.log):
+            return False
+        return True
+
+    def signal_group(self, sig: int) -> None:
+        if self.popen is None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait_stopped(self, deadline: float) -> bool:
+        """Wait until the leader exited and its group is empty; True if so before ``deadline``."""
+        if self.popen is None:
+            return True
+        while True:
+            leader_done = self.popen.poll() is not None
+            if leader_done and not group_alive(self.popen.pid):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    def log_tail(self, lines: int = 5) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(_strip_ansi(line) for line in text[-lines:])
+
+
+def stop_all(processes: list[ManagedProcess]) -> list[str]:
+    """SIGTERM every group at once, wait each one's stop timeout, SIGKILL stragglers.
+
+    Returns the labels that had to be killed."""
+    for proc in processes:
+        proc.signal_group(signal.SIGTERM)
+    killed = []
+    start = time.monotonic()
+    for proc in processes:
+        if not proc.wait_stopped(start + proc.stop_timeout_s):
+            killed.append(proc.label)
+            proc.signal_group(signal.SIGKILL)
+            proc.wait_stopped(time.monotonic() + 5)
+    return killed
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def free_port(host: str = "127.0.0.1", below: int | None = None, avoid: set[int] | None = None) -> int:
+    """A port free right now. ``below``: Dynamo parses DYN_SYSTEM_PORT as an i16, so system ports
+    must be under 32768, while the kernel's ephemeral range usually starts above it."""
+    if below is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            return sock.getsockname()[1]
+    import random
+
+    avoid = avoid or set()
+    for _ in range(1000):
+        port = random.randrange(20000, below)
+        if port not in avoid and not port_in_use(port, host):
+            return port
+    raise OSError(f"no free port found in 20000-{below}")
+
+
+def _tcp_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (loopback URL)
+            return 200 <= response.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _log_matches(path: Path, pattern: str) -> bool:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return False
+    return re.search(pattern, _strip_ansi(text), re.MULTILINE) is not None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
