@@ -132,7 +132,8 @@ def default_model_dir() -> Path:
 # ---------------------------------------------------------------------------------------------
 # Corpus: seeded pseudo-English, so training is reproducible and needs no data set.
 
-_ONSETS = "b c d f g h j k l m n p r s t v w y z bl br ch cl cr dr fl fr gl gr pl pr sh sl sp st th tr".split()
+_ONSETS = ("b c d f g h j k l m n p r s t v w y z "
+           "bl br ch cl cr dr fl fr gl gr pl pr sh sl sp st th tr").split()
 _VOWELS = "a e i o u ai ea ee ie oa ou".split()
 _CODAS = ["", "", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "ck", "rt"]
 

@@ -15,13 +15,21 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import model as model_dir_mod
 from .graph import Graph, expand, load_graph
-from .process import ManagedProcess, ReadySpec, free_port, port_in_use, stop_all
-from .servers import Endpoints, dynamo_env, etcd_process, live_dynamo_keys, nats_process, revoke_leases
+from .process import ManagedProcess, ReadySpec, free_port, group_alive, port_in_use, stop_all
+from .servers import (
+    Endpoints,
+    dynamo_env,
+    etcd_process,
+    live_dynamo_keys,
+    nats_process,
+    revoke_leases,
+)
 
 
 class LaunchError(Exception):
@@ -59,7 +67,7 @@ class Deployment:
     servers: list[ManagedProcess] = field(default_factory=list)
     workers: list[ManagedProcess] = field(default_factory=list)
     temp_dirs: list[tempfile.TemporaryDirectory] = field(default_factory=list)
-    log: callable = print
+    log: Callable[[str], None] = print
 
     @property
     def base_url(self) -> str:
@@ -81,7 +89,8 @@ class Deployment:
     def first_dead(self) -> ManagedProcess | None:
         return next((p for p in self.processes() if p.exit_code() is not None), None)
 
-    def stop(self) -> None:
+    def stop(self) -> list[str]:
+        """Stop everything; return the labels of processes still alive afterwards (normally none)."""
         killed = stop_all(list(reversed(self.workers)))
         if killed:
             self.log(f"  killed after stop timeout: {', '.join(killed)}")
@@ -90,6 +99,7 @@ class Deployment:
         for tmp in self.temp_dirs:
             tmp.cleanup()
         self.write_run_file("stopped")
+        return [p.label for p in self.processes() if p.popen and group_alive(p.popen.pid)]
 
     def _clean_etcd(self) -> None:
         """Revoke leases of keys our processes left (only a SIGKILLed worker leaves any)."""
@@ -202,14 +212,14 @@ def start(opts: ServeOptions, log=print) -> Deployment:
     deployment = Deployment(graph, run_dir, endpoints, opts.http_port, info.served_model_name, log=log)
     t0 = time.monotonic()
     try:
-        if not opts.nats_url:
-            tmp = tempfile.TemporaryDirectory(prefix="dynamo-ppd-nats-")
+        servers = [(opts.nats_url, nats_process, opts.nats_port, "nats-server"),
+                   (opts.etcd_url, etcd_process, opts.etcd_port, "etcd")]
+        for external_url, make, port, label in servers:
+            if external_url:
+                continue
+            tmp = tempfile.TemporaryDirectory(prefix=f"dynamo-ppd-{label}-")  # throw-away data
             deployment.temp_dirs.append(tmp)
-            deployment.servers.append(nats_process(opts.nats_port, Path(tmp.name), run_dir / "logs" / "nats-server.log"))
-        if not opts.etcd_url:
-            tmp = tempfile.TemporaryDirectory(prefix="dynamo-ppd-etcd-")
-            deployment.temp_dirs.append(tmp)
-            deployment.servers.append(etcd_process(opts.etcd_port, Path(tmp.name), run_dir / "logs" / "etcd.log"))
+            deployment.servers.append(make(port, Path(tmp.name), run_dir / "logs" / f"{label}.log"))
         for proc in deployment.servers:
             proc.start()
         _wait_ready(deployment.servers, log)
@@ -293,7 +303,10 @@ def serve(opts: ServeOptions) -> int:
                 break
             time.sleep(0.2)
         print("stopping ...", flush=True)
-        deployment.stop()
+        alive = deployment.stop()
+        if alive:
+            print(f"error: still running after stop: {', '.join(alive)}", file=sys.stderr, flush=True)
+            return 1
         print("stopped: no process of the run is left", flush=True)
         return code
     finally:

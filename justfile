@@ -1,0 +1,26 @@
+# dynamo-ppd tasks. Every recipe runs through `uv run`, so the project's environment is used.
+
+# List the recipes.
+default:
+    @just --list
+
+# Run a graph locally (default `pd`: Dynamo frontend, 1 prefill + 3 decode workers); Ctrl-C stops it.
+serve graph="pd" *args:
+    uv run dynamo-ppd serve {{graph}} {{args}}
+
+# Run the test suite (real NATS, etcd and Dynamo processes on loopback).
+test *args:
+    uv run pytest {{args}}
+
+# Lint and type-check.
+lint:
+    uv run ruff check .
+    uv run mypy dynamo_ppd
+
+# Multi-turn benchmark (lands with its own issue).
+bench *args:
+    uv run dynamo-ppd bench {{args}}
+
+# (Re)write the local model directory (tokenizer + Llama-3.1-8B-shaped config).
+model-init *args:
+    uv run dynamo-ppd model init {{args}}

@@ -1,0 +1,140 @@
+"""`dynamo-ppd serve` end to end: real NATS, etcd, Dynamo frontend and mocker workers on loopback,
+real HTTP requests, then a stop that must leave no process and no etcd registration behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dynamo_ppd.launch.process import ManagedProcess, free_port, stop_all
+from dynamo_ppd.launch.servers import etcd_process, live_dynamo_keys
+
+
+@pytest.fixture
+def own_etcd(tmp_path):
+    """An etcd the test owns, so it can be inspected after `serve` has stopped."""
+    port = free_port()
+    proc = etcd_process(port, tmp_path / "etcd-data", tmp_path / "etcd.log")
+    proc.start()
+    deadline = time.monotonic() + 20
+    while not proc.is_ready():
+        assert time.monotonic() < deadline, proc.log_tail()
+        time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}"
+    stop_all([proc])
+
+
+def stream_chat(base_url: str, model: str, messages: list[dict], max_tokens: int = 16) -> dict:
+    """Send a streamed chat completion; return the text, usage and the frontend's worker ids."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "nvext": {"extra_fields": ["worker_id"]}}
+    text, usage, workers, chunks = "", None, None, 0
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            chunks += 1
+            for choice in chunk.get("choices", []):
+                text += choice.get("delta", {}).get("content") or ""
+            usage = chunk.get("usage") or usage
+            workers = (chunk.get("nvext") or {}).get("worker_id") or workers
+    return {"text": text, "usage": usage, "workers": workers, "chunks": chunks}
+
+
+def test_pd_request_goes_prefill_then_decode_and_stop_leaves_nothing(serve_run, own_etcd):
+    run = serve_run("pd", "--etcd-url", own_etcd)
+    record = run.wait_ready()
+    assert {p["label"] for p in record["processes"]} >= {"nats-server", "frontend", "prefill",
+                                                        "decode-0", "decode-1", "decode-2"}
+    keys = [k.decode() for k, _ in live_dynamo_keys(own_etcd, "dynamo")]
+
+    def instance_ids(component: str) -> set[int]:  # instance keys end in the id, in hex
+        prefix = f"v1/instances/dynamo/{component}/generate/"
+        return {int(k.rsplit("/", 1)[1], 16) for k in keys if k.startswith(prefix)}
+
+    prefill_ids, decode_ids = instance_ids("prefill"), instance_ids("backend")
+    assert len(prefill_ids) == 1 and len(decode_ids) == 3
+
+    result = stream_chat(run.base_url, record["model"],
+                         [{"role": "user", "content": "Tell me about disaggregated serving."}])
+    assert result["chunks"] > 1 and result["text"]
+    assert result["usage"]["completion_tokens"] == 16
+    # The frontend reports which workers served the request: the prefill one, then a decode one.
+    assert result["workers"]["prefill_worker_id"] in prefill_ids
+    assert result["workers"]["decode_worker_id"] in decode_ids
+    prefill_log = Path(next(p["log"] for p in record["processes"] if p["label"] == "prefill"))
+    assert "request received" in prefill_log.read_text()
+
+    assert run.stop() == 0
+    assert "stopped" in run.output()
+    assert run.leftover_pids() == []
+    assert live_dynamo_keys(own_etcd, "dynamo") == []  # every worker deregistered
+    assert run.record()["state"] == "stopped"
+
+
+def test_agg_second_turn_reports_cached_tokens(serve_run):
+    run = serve_run("agg")
+    record = run.wait_ready()
+    assert sum(p["label"].startswith("worker-") for p in record["processes"]) == 4
+    messages = [{"role": "user", "content": "Describe the harbour at dawn, the boats, the gulls. " * 12}]
+    first = stream_chat(run.base_url, record["model"], messages, max_tokens=24)
+    assert first["usage"]["prompt_tokens"] > 64
+    messages += [{"role": "assistant", "content": first["text"]},
+                 {"role": "user", "content": "And then?"}]
+    time.sleep(0.5)  # KV events travel over NATS to the router
+    second = stream_chat(run.base_url, record["model"], messages, max_tokens=24)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # The whole first prompt, in full 32-token blocks, is reused on the worker that holds it.
+    assert cached >= first["usage"]["prompt_tokens"] // 32 * 32
+    assert second["workers"]["decode_worker_id"] == first["workers"]["decode_worker_id"]
+    assert run.stop() == 0
+    assert run.leftover_pids() == []
+
+
+def test_killed_worker_stops_the_run_and_its_lease_is_revoked(serve_run, own_etcd):
+    run = serve_run("pd", "--etcd-url", own_etcd)
+    record = run.wait_ready()
+    victim = next(p for p in record["processes"] if p["label"] == "decode-1")
+    os.killpg(victim["pid"], signal.SIGKILL)  # no chance to deregister: its keys stay in etcd
+    assert run.proc.wait(60) == 1
+    assert "decode-1 exited" in run.output()
+    assert "revoked the leases of" in run.output()  # the launcher cleaned up after it
+    assert run.leftover_pids() == []
+    assert live_dynamo_keys(own_etcd, "dynamo") == []
+
+
+def test_sigint_during_startup_stops_everything(model_dir, tmp_path):
+    from conftest import ServeRun
+
+    run = ServeRun("pd", tmp_path / "run")
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "run" / "run.json").exists():  # written once workers start
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.output()
+        time.sleep(0.05)
+    run.proc.send_signal(signal.SIGINT)
+    assert run.proc.wait(60) == 130
+    assert run.leftover_pids() == []
+
+
+def test_process_group_is_stopped_with_its_children(tmp_path):
+    """Stopping a process also stops what it spawned (its whole session)."""
+    script = ("import subprocess, sys, time; "
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)")
+
+    proc = ManagedProcess("parent", [sys.executable, "-c", script], env=dict(os.environ),
+                          log_path=tmp_path / "p.log", stop_timeout_s=5)
+    proc.start()
+    time.sleep(0.5)
+    assert stop_all([proc]) == []
+    from dynamo_ppd.launch.process import group_alive
+
+    assert not group_alive(proc.pid)
