@@ -4,9 +4,10 @@
 default:
     @just --list
 
+# `exec`: a SIGTERM to `just` then reaches the launcher, which stops every process.
 # Run a graph locally (default `pd`: Dynamo frontend, 1 prefill + 3 decode workers); Ctrl-C stops it.
 serve graph="pd" *args:
-    uv run dynamo-ppd serve {{graph}} {{args}}
+    exec uv run dynamo-ppd serve {{graph}} {{args}}
 
 # Run the test suite (real NATS, etcd and Dynamo processes on loopback).
 test *args:

@@ -138,3 +138,17 @@ def test_process_group_is_stopped_with_its_children(tmp_path):
     from dynamo_ppd.launch.process import group_alive
 
     assert not group_alive(proc.pid)
+
+
+def test_killed_launcher_leaves_no_orphans(serve_run, own_etcd):
+    """Even a SIGKILLed launcher leaves nothing running: children get SIGTERM from the kernel
+    (PR_SET_PDEATHSIG) and deregister as on a normal stop."""
+    run = serve_run("pd", "--etcd-url", own_etcd)
+    run.wait_ready()
+    run.proc.kill()
+    run.proc.wait(10)
+    deadline = time.monotonic() + 30
+    while run.leftover_pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert run.leftover_pids() == []
+    assert live_dynamo_keys(own_etcd, "dynamo") == []

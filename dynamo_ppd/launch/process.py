@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -39,7 +40,8 @@ class ManagedProcess:
             # start_new_session: Ctrl-C in the terminal reaches only the launcher, which then stops
             # the children in order; and the child's pid is its process-group id for killpg.
             self.popen = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=_die_with_parent)
 
     @property
     def pid(self) -> int:
@@ -85,6 +87,17 @@ class ManagedProcess:
         except OSError:
             return ""
         return "\n".join(_strip_ansi(line) for line in text[-lines:])
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it if the launcher dies, even by SIGKILL,
+    so a killed launcher leaves no orphans (they then deregister as on a normal stop)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def stop_all(processes: list[ManagedProcess]) -> list[str]:
