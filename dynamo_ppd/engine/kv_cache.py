@@ -1,0 +1,239 @@
+"""A paged KV cache with prefix reuse, as TensorRT-LLM's block manager keeps it.
+
+- Tokens live in blocks of ``block_size``. A block is reusable once it is full and its tokens' KV
+  is computed; it is then known by a chained hash (its tokens and everything before it), so two
+  prompts share exactly their common full-block prefix.
+- The per-block token hash is Dynamo's own (`compute_block_hash_for_seq`): our KV events carry the
+  tokens, Dynamo's indexer hashes them the same way, and so its view matches this cache.
+- A full block no request references stays cached until space is needed; then the least recently
+  used goes first, leaf before parent (evicting a parent evicts its cached descendants: they can
+  no longer be reached by a prefix match).
+- Admission reserves the blocks a request may still need, so a running request never runs out.
+
+Every change to the set of cached blocks is recorded as a `KvStored`/`KvRemoved` event.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+# local_block_hashes(tokens, block_size) -> one hash per full block of ``tokens``.
+BlockHasher = Callable[[list[int], int], list[int]]
+
+
+def dynamo_block_hasher() -> BlockHasher:
+    from dynamo._core import compute_block_hash_for_seq
+
+    return compute_block_hash_for_seq
+
+
+def chain_hash(parent: int | None, local: int) -> int:
+    """The id of a block: its own token hash chained to its parent's id (63 bits, so it is a valid
+    signed 64-bit block hash in Dynamo's events)."""
+    data = (parent or 0).to_bytes(8, "little") + (local & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+class KvStored(msgspec.Struct, tag="stored", frozen=True):
+    block_hashes: list[int]
+    parent_hash: int | None
+    token_ids: list[int]  # block_size tokens per block, in order
+
+
+class KvRemoved(msgspec.Struct, tag="removed", frozen=True):
+    block_hashes: list[int]
+
+
+KvEvent = KvStored | KvRemoved
+
+
+class CacheFull(Exception):
+    pass
+
+
+@dataclass
+class _Block:
+    parent: int | None
+    ref_count: int = 0
+    children: set[int] = field(default_factory=set)
+
+
+@dataclass
+class SequenceKv:
+    """The blocks one request holds."""
+
+    hashes: list[int] = field(default_factory=list)  # its full blocks, referenced, in order
+    kv_tokens: int = 0  # tokens whose KV is in the cache
+    has_partial: bool = False  # holds one private block for a trailing partial block
+    reserved: int = 0  # blocks reserved for it and not yet taken
+
+
+class KvCache:
+    def __init__(self, capacity_blocks: int, block_size: int, hasher: BlockHasher | None = None):
+        self.capacity = capacity_blocks
+        self.block_size = block_size
+        self.hasher = hasher or dynamo_block_hasher()
+        self._blocks: dict[int, _Block] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, oldest first
+        self._partial_blocks = 0
+        self._reserved = 0
+        self.events: list[KvEvent] = []
+
+    # -- accounting ------------------------------------------------------------------------------
+    @property
+    def used_blocks(self) -> int:
+        """Blocks holding data: cached (referenced or not) and private partial ones."""
+        return len(self._blocks) + self._partial_blocks
+
+    @property
+    def active_blocks(self) -> int:
+        """Blocks referenced by running requests (cannot be evicted)."""
+        return self.used_blocks - len(self._evictable)
+
+    def available_blocks(self) -> int:
+        """Blocks a new request could still reserve (free + evictable - reserved)."""
+        return self.capacity - self.active_blocks - self._reserved
+
+    def cached_hashes(self) -> set[int]:
+        return set(self._blocks)
+
+    # -- hashing ---------------------------------------------------------------------------------
+    def prefix_hashes(self, tokens: list[int]) -> list[int]:
+        """Chained ids of the full blocks of ``tokens``."""
+        out: list[int] = []
+        parent = None
+        for local in self.hasher(tokens, self.block_size):
+            parent = chain_hash(parent, local)
+            out.append(parent)
+        return out
+
+    def match_blocks(self, hashes: list[int]) -> int:
+        """How many leading blocks of ``hashes`` are cached (without taking them)."""
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    # -- request life cycle ---------------------------------------------------------------------
+    def admit(self, seq: SequenceKv, prompt_hashes: list[int], total_blocks_needed: int) -> int:
+        """Take the cached prefix of a prompt and reserve what the request may still need.
+
+        Returns the number of prompt blocks reused. Raises CacheFull if the reservation does not
+        fit now (the caller retries later)."""
+        matched = self.match_blocks(prompt_hashes)
+        need = max(0, total_blocks_needed - matched)
+        # Taking matched blocks that are evictable also removes them from the available pool.
+        taking_evictable = sum(1 for h in prompt_hashes[:matched] if h in self._evictable)
+        if need > self.available_blocks() - taking_evictable:
+            raise CacheFull
+        for h in prompt_hashes[:matched]:
+            self._ref(h)
+        seq.hashes = list(prompt_hashes[:matched])
+        seq.kv_tokens = matched * self.block_size
+        seq.reserved = need
+        self._reserved += need
+        return matched
+
+    def commit(self, seq: SequenceKv, tokens: list[int], kv_tokens: int) -> None:
+        """Record that the first ``kv_tokens`` of ``tokens`` now have KV in the cache: new full
+        blocks become cached (deduplicated against identical blocks already there)."""
+        bs = self.block_size
+        full = kv_tokens // bs
+        new_hashes: list[int] = []
+        new_tokens: list[int] = []
+        first_parent = seq.hashes[-1] if seq.hashes else None
+        for index in range(len(seq.hashes), full):
+            parent = seq.hashes[-1] if seq.hashes else None
+            block_tokens = tokens[index * bs:(index + 1) * bs]
+            h = chain_hash(parent, self.hasher(block_tokens, bs)[0])
+            if h in self._blocks:
+                self._ref(h)
+                if seq.has_partial:  # the private block we were filling is not needed any more
+                    seq.has_partial = False
+                    self._partial_blocks -= 1
+            else:
+                if seq.has_partial:  # the private block becomes this cached block
+                    seq.has_partial = False
+                    self._partial_blocks -= 1
+                else:
+                    self._take_physical(seq)
+                self._blocks[h] = _Block(parent=parent, ref_count=1)
+                if parent is not None and parent in self._blocks:
+                    self._blocks[parent].children.add(h)
+                if new_hashes and new_hashes[-1] != parent:  # keep each event one chain
+                    self._emit_stored(new_hashes, new_tokens, first_parent)
+                    new_hashes, new_tokens = [], []
+                if not new_hashes:
+                    first_parent = parent
+                new_hashes.append(h)
+                new_tokens.extend(block_tokens)
+            seq.hashes.append(h)
+        if new_hashes:
+            self._emit_stored(new_hashes, new_tokens, first_parent)
+        if kv_tokens % bs and not seq.has_partial:  # a trailing partial block needs a block too
+            self._take_physical(seq)
+            seq.has_partial = True
+            self._partial_blocks += 1
+        seq.kv_tokens = kv_tokens
+
+    def release(self, seq: SequenceKv) -> None:
+        """A request is done: its blocks stay cached but become evictable, leaf first."""
+        for h in reversed(seq.hashes):
+            block = self._blocks.get(h)
+            if block is None:
+                continue
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._evictable[h] = None
+        seq.hashes = []
+        if seq.has_partial:
+            seq.has_partial = False
+            self._partial_blocks -= 1
+        self._reserved -= seq.reserved
+        seq.reserved = 0
+
+    def drain_events(self) -> list[KvEvent]:
+        events, self.events = self.events, []
+        return events
+
+    # -- internals -------------------------------------------------------------------------------
+    def _ref(self, h: int) -> None:
+        block = self._blocks[h]
+        if block.ref_count == 0:
+            self._evictable.pop(h, None)
+        block.ref_count += 1
+
+    def _take_physical(self, seq: SequenceKv) -> None:
+        """Make room for one more used block for ``seq`` (the caller then adds it), drawing on
+        the sequence's reservation and evicting the least recently used cached block if needed."""
+        if seq.reserved > 0:
+            seq.reserved -= 1
+            self._reserved -= 1
+        while self.used_blocks >= self.capacity:
+            if not self._evictable:
+                raise CacheFull("no free or evictable KV block")
+            self._evict(next(iter(self._evictable)))
+
+    def _evict(self, h: int) -> None:
+        removed: list[int] = []
+        stack = [h]
+        while stack:
+            current = stack.pop()
+            block = self._blocks.pop(current)
+            self._evictable.pop(current, None)
+            assert block.ref_count == 0, "evicting a referenced block"
+            removed.append(current)
+            stack.extend(block.children)
+            if block.parent is not None and block.parent in self._blocks:
+                self._blocks[block.parent].children.discard(current)
+        self.events.append(KvRemoved(block_hashes=removed))
+
+    def _emit_stored(self, hashes: list[int], tokens: list[int], parent: int | None) -> None:
+        self.events.append(KvStored(block_hashes=list(hashes), parent_hash=parent, token_ids=list(tokens)))

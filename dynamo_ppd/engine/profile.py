@@ -1,0 +1,148 @@
+"""Engine profiles: the hardware, the model's shape, the cost constants and the engine limits of one
+worker, in one validated YAML file. Everything else (weight bytes, FLOPs per token, KV bytes per
+token, KV capacity) is derived here, never stored twice."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+DEFAULT_PROFILE = "h100-llama3.1-8b"
+
+
+class Hardware(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    gpu_memory_bytes: PositiveInt
+    peak_memory_bandwidth_bytes_s: Positive
+    peak_bf16_flops: Positive
+
+
+class ModelShape(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    num_layers: PositiveInt
+    hidden_size: PositiveInt
+    num_attention_heads: PositiveInt
+    num_kv_heads: PositiveInt
+    head_dim: PositiveInt
+    intermediate_size: PositiveInt
+    vocab_size: PositiveInt
+    bytes_per_param: PositiveInt = 2
+    kv_bytes_per_element: PositiveInt = 2
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of the transformer layers (attention projections + gated MLP)."""
+        q_and_o = 2 * self.hidden_size * self.num_attention_heads * self.head_dim
+        k_and_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (q_and_o + k_and_v + mlp)
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        """Layers, LM head and the embedding table (untied, as in Llama-3.1-8B)."""
+        return self.layer_params + 2 * self.lm_head_params
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.total_params * self.bytes_per_param
+
+    @property
+    def streamed_weight_bytes(self) -> int:
+        """Weights read from HBM every iteration: all GEMM weights (the embedding is a lookup)."""
+        return (self.layer_params + self.lm_head_params) * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_element
+
+    @property
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs for one query token attending to one key token, all layers (QK^T and PV)."""
+        return 4 * self.num_layers * self.num_attention_heads * self.head_dim
+
+
+class CostConstants(msgspec.Struct, forbid_unknown_fields=True):
+    iteration_overhead_s: Annotated[float, msgspec.Meta(ge=0)]
+    memory_bandwidth_efficiency: Fraction
+    gemm_flops_efficiency: Fraction
+    attention_flops_efficiency: Fraction
+
+
+class EngineLimits(msgspec.Struct, forbid_unknown_fields=True):
+    block_size: PositiveInt = 32
+    max_batch_size: PositiveInt = 256
+    max_num_tokens: PositiveInt = 8192
+    free_gpu_memory_fraction: Fraction = 0.9
+    runtime_reserved_bytes: Annotated[int, msgspec.Meta(ge=0)] = 3_000_000_000
+
+
+class TransferConstants(msgspec.Struct, forbid_unknown_fields=True):
+    link_bandwidth_bytes_s: Positive
+    transfer_setup_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+
+class EngineProfile(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    hardware: Hardware
+    model: ModelShape
+    cost: CostConstants
+    engine: EngineLimits = msgspec.field(default_factory=EngineLimits)
+    transfer: TransferConstants = msgspec.field(
+        default_factory=lambda: TransferConstants(link_bandwidth_bytes_s=225e9))
+
+    def kv_capacity_blocks(self) -> int:
+        """KV blocks a worker holds: TensorRT-LLM gives the KV pool a fraction of the memory left
+        after weights and runtime reservations."""
+        free = self.hardware.gpu_memory_bytes - self.model.weight_bytes - self.engine.runtime_reserved_bytes
+        pool = free * self.engine.free_gpu_memory_fraction
+        block_bytes = self.model.kv_bytes_per_token * self.engine.block_size
+        blocks = math.floor(pool / block_bytes)
+        if blocks < 1:
+            raise ProfileError(f"profile {self.name!r}: no memory left for the KV cache "
+                               f"({self.hardware.gpu_memory_bytes} bytes of GPU memory, "
+                               f"{self.model.weight_bytes} of weights)")
+        return blocks
+
+
+class ProfileError(Exception):
+    """A profile file is missing or invalid; the message names the file and field."""
+
+
+def bundled_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> EngineProfile:
+    """Load a bundled profile by name or a profile YAML by path, validated."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        bundled = PROFILE_DIR / f"{name_or_path}.yaml"
+        if bundled.is_file():
+            path = bundled
+        elif path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
+            raise ProfileError(f"engine profile {path} does not exist")
+        else:
+            raise ProfileError(f"no engine profile named {str(name_or_path)!r}; bundled: "
+                               f"{', '.join(bundled_profiles())} (or pass a path to a .yaml file)")
+    try:
+        profile = msgspec.yaml.decode(path.read_bytes(), type=EngineProfile)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProfileError(f"{path}: invalid engine profile: {exc}") from exc
+    profile.kv_capacity_blocks()  # fail early if the model does not fit
+    return profile
+
+
+def dump_profile(profile: EngineProfile) -> bytes:
+    return msgspec.yaml.encode(profile)

@@ -1,0 +1,313 @@
+"""The engine model: TensorRT-LLM-style in-flight batching over a paged KV cache, with no clock.
+
+A driver owns time. It calls `Engine.step(now)` to learn what happens at ``now`` (first tokens of
+transferred requests) and which iteration to run next with its modeled duration, waits that long
+(on a wall clock in a live worker, on a virtual one in the simulator) and calls
+`Engine.finish(iteration, now)` to get the tokens it produced. Same model, two clocks.
+
+Scheduling, as TensorRT-LLM's (GUARANTEED_NO_EVICT capacity scheduler, chunked context):
+1. Admission, first come first served: a waiting request is admitted while the batch has room
+   (``max_batch_size``) and the KV cache can reserve its prompt plus ``max_tokens``; the head of
+   the queue blocks those behind it.
+2. Each iteration, every decoding request generates one token; then prefill (context) requests,
+   in admission order, take chunks of the remaining ``max_num_tokens`` budget, each chunk a
+   multiple of the block size unless it finishes the prompt.
+
+Request kinds, as TensorRT-LLM's ``request_type``:
+- ``context_only`` (a prefill worker): compute the prompt (reusing cached blocks), sample one
+  token, finish; the KV stays cached here and is sent to the decode worker by the driver.
+- ``generation_only`` (a decode worker with a prefill result): reserve blocks, wait until the
+  transferred KV has arrived (``kv_ready_at``), insert it into the cache, emit the prefill's
+  token, then decode.
+- ``context_and_generation`` (aggregated, or decode with the bypass annotation): compute only
+  the prompt tokens not already cached (the append-prefill), then decode.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from .cost import CostModel, IterationCost, PrefillChunk
+from .kv_cache import BlockHasher, CacheFull, KvCache, KvEvent, SequenceKv
+from .profile import EngineProfile
+
+
+class RequestKind(str, enum.Enum):
+    CONTEXT_ONLY = "context_only"
+    GENERATION_ONLY = "generation_only"
+    CONTEXT_AND_GENERATION = "context_and_generation"
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # not admitted yet
+    AWAITING_KV = "awaiting_kv"  # generation_only: admitted, transfer in flight
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+class RequestRejected(ValueError):
+    """The request can never run on this engine (e.g. larger than the KV cache)."""
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    kind: RequestKind = RequestKind.CONTEXT_AND_GENERATION
+    first_token: int | None = None  # generation_only: the token the prefill worker sampled
+    kv_ready_at: float = 0.0  # generation_only: when the transferred KV is complete here
+    # Filled in by the engine:
+    phase: Phase = Phase.WAITING
+    arrival: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (or received) instead of computed
+    computed_tokens: int = 0  # prompt tokens with KV here
+    output: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    kv: SequenceKv = field(default_factory=SequenceKv)
+    rng: random.Random | None = None
+    prompt_hashes: list[int] | None = None  # chained block ids of the prompt, computed once
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def prompt_remaining(self) -> int:
+        return self.prompt_tokens - self.computed_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOutput:
+    request_id: str
+    token_ids: list[int]
+    at: float
+    finished: bool = False
+    finish_reason: str | None = None  # "length" when max_tokens is reached
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Iteration:
+    decode: list[EngineRequest]
+    prefill: list[tuple[EngineRequest, int]]  # (request, tokens computed in this iteration)
+    cost: IterationCost
+    started_at: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.cost.total_s
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """What a router or a metrics publisher wants to know about this worker now."""
+
+    waiting_requests: int
+    waiting_prompt_tokens: int
+    awaiting_kv_requests: int
+    prefill_requests: int
+    prefill_tokens_remaining: int
+    decode_requests: int
+    decode_kv_tokens: int
+    kv_used_blocks: int
+    kv_active_blocks: int
+    kv_capacity_blocks: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    token_range: tuple[int, int] = (1000, 2000)  # ids generated: the model's round-trip range
+    seed: int = 0
+    capacity_blocks: int | None = None  # None: derived from the profile
+
+
+class Engine:
+    def __init__(self, profile: EngineProfile, config: EngineConfig | None = None,
+                 hasher: BlockHasher | None = None):
+        self.profile = profile
+        self.config = config or EngineConfig()
+        limits = profile.engine
+        self.block_size = limits.block_size
+        self.max_batch_size = limits.max_batch_size
+        self.max_num_tokens = limits.max_num_tokens
+        self.cost_model = CostModel(profile)
+        self.cache = KvCache(self.config.capacity_blocks or profile.kv_capacity_blocks(),
+                             self.block_size, hasher)
+        self._waiting: deque[EngineRequest] = deque()
+        self._running: list[EngineRequest] = []  # admitted, in admission order
+        self._by_id: dict[str, EngineRequest] = {}
+        self.iterations = 0
+        self.busy_s = 0.0
+
+    # -- requests --------------------------------------------------------------------------------
+    def submit(self, request: EngineRequest, now: float) -> None:
+        if not request.prompt:
+            raise RequestRejected("empty prompt")
+        if request.max_tokens < 1:
+            raise RequestRejected("max_tokens must be at least 1")
+        if request.request_id in self._by_id:
+            raise RequestRejected(f"duplicate request id {request.request_id}")
+        if request.kind is RequestKind.GENERATION_ONLY and request.first_token is None:
+            raise RequestRejected("generation_only needs the prefill worker's first token")
+        needed = self._blocks_needed(request)
+        if needed > self.cache.capacity:
+            raise RequestRejected(
+                f"{request.prompt_tokens} prompt tokens + max_tokens {request.max_tokens} need "
+                f"{needed} KV blocks; this worker holds {self.cache.capacity}")
+        request.arrival = now
+        request.rng = random.Random(f"{self.config.seed}:{request.request_id}")
+        self._waiting.append(request)
+        self._by_id[request.request_id] = request
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a request wherever it is; its blocks stay cached. False if unknown or done."""
+        request = self._by_id.pop(request_id, None)
+        if request is None:
+            return False
+        if request.phase is Phase.WAITING:
+            self._waiting.remove(request)
+        else:
+            self._running.remove(request)
+            self.cache.release(request.kv)
+        request.phase = Phase.FINISHED
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def next_wakeup(self) -> float | None:
+        """When an idle engine next has something to do (a transfer completing), if ever."""
+        times = [r.kv_ready_at for r in self._running if r.phase is Phase.AWAITING_KV]
+        return min(times) if times else None
+
+    # -- the loop --------------------------------------------------------------------------------
+    def step(self, now: float) -> tuple[list[TokenOutput], Iteration | None]:
+        """Admit what fits, land arrived transfers, and plan the next iteration (None: idle)."""
+        self._admit(now)
+        outputs = self._land_transfers(now)
+        decode = [r for r in self._running if r.phase is Phase.DECODE]
+        budget = self.max_num_tokens - len(decode)
+        prefill: list[tuple[EngineRequest, int]] = []
+        for request in self._running:
+            if budget <= 0:
+                break
+            if request.phase is not Phase.PREFILL:
+                continue
+            chunk = min(request.prompt_remaining, budget)
+            if chunk < request.prompt_remaining:
+                chunk -= chunk % self.block_size
+                if chunk == 0:
+                    break
+            prefill.append((request, chunk))
+            budget -= chunk
+        if not decode and not prefill:
+            return outputs, None
+        cost = self.cost_model.iteration(
+            len(decode), sum(r.kv.kv_tokens for r in decode),
+            [PrefillChunk(n, r.computed_tokens, n == r.prompt_remaining) for r, n in prefill])
+        return outputs, Iteration(decode, prefill, cost, now)
+
+    def finish(self, iteration: Iteration, now: float) -> list[TokenOutput]:
+        """Apply an iteration that ended at ``now``: tokens computed, sampled, requests done."""
+        self.iterations += 1
+        self.busy_s += iteration.duration_s
+        outputs: list[TokenOutput] = []
+        for request in iteration.decode:
+            if request.phase is not Phase.DECODE:  # cancelled meanwhile
+                continue
+            # The token sampled last iteration now has its KV; sample the next one.
+            self.cache.commit(request.kv, request.prompt + request.output, request.kv.kv_tokens + 1)
+            outputs.append(self._emit(request, now))
+        for request, chunk in iteration.prefill:
+            if request.phase is not Phase.PREFILL:
+                continue
+            request.computed_tokens += chunk
+            self.cache.commit(request.kv, request.prompt, request.computed_tokens)
+            if request.prompt_remaining == 0:
+                request.phase = Phase.DECODE
+                outputs.append(self._emit(request, now))
+        return outputs
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        return self.cache.drain_events()
+
+    def load(self) -> LoadSnapshot:
+        waiting_tokens = sum(r.prompt_tokens for r in self._waiting)
+        prefill = [r for r in self._running if r.phase is Phase.PREFILL]
+        decode = [r for r in self._running if r.phase is Phase.DECODE]
+        return LoadSnapshot(
+            waiting_requests=len(self._waiting), waiting_prompt_tokens=waiting_tokens,
+            awaiting_kv_requests=sum(1 for r in self._running if r.phase is Phase.AWAITING_KV),
+            prefill_requests=len(prefill),
+            prefill_tokens_remaining=sum(r.prompt_remaining for r in prefill),
+            decode_requests=len(decode), decode_kv_tokens=sum(r.kv.kv_tokens for r in decode),
+            kv_used_blocks=self.cache.used_blocks, kv_active_blocks=self.cache.active_blocks,
+            kv_capacity_blocks=self.cache.capacity)
+
+    def get(self, request_id: str) -> EngineRequest | None:
+        return self._by_id.get(request_id)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _blocks_needed(self, request: EngineRequest) -> int:
+        return math.ceil((request.prompt_tokens + request.max_tokens) / self.block_size)
+
+    def _admit(self, now: float) -> None:
+        while self._waiting and len(self._running) < self.max_batch_size:
+            request = self._waiting[0]
+            if request.prompt_hashes is None:
+                request.prompt_hashes = self.cache.prefix_hashes(request.prompt)
+            try:
+                matched = self.cache.admit(request.kv, request.prompt_hashes, self._blocks_needed(request))
+            except CacheFull:
+                return  # first come, first served: the head waits for space
+            self._waiting.popleft()
+            self._running.append(request)
+            # The last prompt token is always computed (its logits give the first token), so at
+            # most prompt-1 tokens count as reused. For generation_only the transfer brings the
+            # rest; like TensorRT-LLM we report only the blocks this worker already had.
+            request.cached_tokens = min(matched * self.block_size, request.prompt_tokens - 1)
+            if request.kind is RequestKind.GENERATION_ONLY:
+                request.phase = Phase.AWAITING_KV
+            else:
+                request.phase = Phase.PREFILL
+                request.computed_tokens = request.cached_tokens
+
+    def _land_transfers(self, now: float) -> list[TokenOutput]:
+        outputs = []
+        for request in self._running:
+            if request.phase is Phase.AWAITING_KV and request.kv_ready_at <= now:
+                request.computed_tokens = request.prompt_tokens
+                self.cache.commit(request.kv, request.prompt, request.prompt_tokens)
+                request.phase = Phase.DECODE
+                assert request.first_token is not None
+                outputs.append(self._emit(request, now, token=request.first_token))
+        return outputs
+
+    def _emit(self, request: EngineRequest, now: float, token: int | None = None) -> TokenOutput:
+        if token is None:
+            assert request.rng is not None
+            token = request.rng.randrange(*self.config.token_range)
+        request.output.append(token)
+        if request.first_token_at is None:
+            request.first_token_at = now
+        done = (len(request.output) >= request.max_tokens
+                or request.kind is RequestKind.CONTEXT_ONLY)
+        if done:
+            request.phase = Phase.FINISHED
+            request.finished_at = now
+            self._running.remove(request)
+            self._by_id.pop(request.request_id, None)
+            self.cache.release(request.kv)
+        return TokenOutput(
+            request_id=request.request_id, token_ids=[token], at=now, finished=done,
+            finish_reason="length" if done else None, prompt_tokens=request.prompt_tokens,
+            cached_tokens=request.cached_tokens, completion_tokens=len(request.output))
