@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("name", ["pd", "agg"])
+@pytest.mark.parametrize("name", ["pd", "agg", "cond-disagg", "pd-mocker", "agg-mocker"])
 def test_bundled_graphs_load(name):
     graph, path = load_graph(name)
     assert path == REPO / "graphs" / f"{name}.yaml"
@@ -74,7 +75,8 @@ def test_cli_missing_graph_file(tmp_path):
 def test_cli_unknown_graph_name_lists_known():
     result = cli("serve", "no-such-graph")
     assert result.returncode == 2
-    assert "known graphs: agg, pd" in result.stderr and result.stderr.strip().count("\n") == 0
+    assert "known graphs: agg, agg-mocker, cond-disagg, pd, pd-mocker" in result.stderr
+    assert result.stderr.strip().count("\n") == 0
 
 
 def test_cli_bad_graph_file(tmp_path):
@@ -103,12 +105,14 @@ def test_cli_bad_port_value():
     assert result.returncode == 2 and "99999 is not a port" in result.stderr
 
 
-@pytest.mark.parametrize("graph", ["pd", "agg"])
-def test_dry_run_resolves_commands(graph):
+@pytest.mark.parametrize(("graph", "worker"), [("pd", "dynamo_ppd.engine"), ("agg", "dynamo_ppd.engine"),
+                                             ("cond-disagg", "dynamo_ppd.engine"),
+                                             ("pd-mocker", "dynamo.mocker"), ("agg-mocker", "dynamo.mocker")])
+def test_dry_run_resolves_commands(graph, worker):
     result = cli("serve", graph, "--dry-run")
     assert result.returncode == 0, result.stderr
-    assert "dynamo.frontend" in result.stdout and "dynamo.mocker" in result.stdout
-    assert "{" not in result.stdout.split("\n", 1)[1]  # every placeholder was filled
+    assert "dynamo.frontend" in result.stdout and worker in result.stdout
+    assert not re.search(r"\{[a-z_]+\}", result.stdout.split("\n", 1)[1])  # placeholders filled
 
 
 def test_dry_run_reports_missing_module(tmp_path):

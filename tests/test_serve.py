@@ -1,4 +1,4 @@
-"""`dynamo-ppd serve` end to end: real NATS, etcd, Dynamo frontend and mocker workers on loopback,
+"""`dynamo-ppd serve` end to end: real NATS, etcd, Dynamo frontend and workers on loopback,
 real HTTP requests, then a stop that must leave no process and no etcd registration behind."""
 
 from __future__ import annotations
@@ -32,13 +32,16 @@ def own_etcd(tmp_path):
 
 
 def stream_chat(base_url: str, model: str, messages: list[dict], max_tokens: int = 16) -> dict:
-    """Send a streamed chat completion; return the text, usage and the frontend's worker ids."""
+    """Send a streamed chat completion; return the text, usage, the frontend's worker ids and the
+    SSE event names it sent (conditional disaggregation announces `x-bypass-remote-prefill`)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "nvext": {"extra_fields": ["worker_id"]}}
-    text, usage, workers, chunks = "", None, None, 0
+    text, usage, workers, chunks, events = "", None, None, 0, []
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
+            if line.startswith("event: "):
+                events.append(line[len("event: "):])
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
@@ -47,7 +50,7 @@ def stream_chat(base_url: str, model: str, messages: list[dict], max_tokens: int
                 text += choice.get("delta", {}).get("content") or ""
             usage = chunk.get("usage") or usage
             workers = (chunk.get("nvext") or {}).get("worker_id") or workers
-    return {"text": text, "usage": usage, "workers": workers, "chunks": chunks}
+    return {"text": text, "usage": usage, "workers": workers, "chunks": chunks, "events": events}
 
 
 def test_pd_request_goes_prefill_then_decode_and_stop_leaves_nothing(serve_run, own_etcd):
@@ -152,3 +155,38 @@ def test_killed_launcher_leaves_no_orphans(serve_run, own_etcd):
         time.sleep(0.2)
     assert run.leftover_pids() == []
     assert live_dynamo_keys(own_etcd, "dynamo") == []
+
+
+def _prefill_tokens_charged(record: dict, label: str) -> int:
+    """A simulated worker's count of prompt tokens it computed, from its Prometheus metrics."""
+    port = next(p["system_port"] for p in record["processes"] if p["label"] == label)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(int(float(line.split()[-1])) for line in text.splitlines()
+               if line.startswith("dynamo_ppd_engine_prefill_tokens_total"))
+
+
+def test_cond_disagg_bypasses_prefill_and_charges_the_append(serve_run):
+    """Dynamo's own conditional disaggregation sends the follow-up turn straight to the decode
+    worker holding the history, which computes only the tokens it does not hold."""
+    run = serve_run("cond-disagg")
+    record = run.wait_ready()
+    messages = [{"role": "user", "content": "Describe the harbour at dawn, the boats, the gulls. " * 12}]
+    first = stream_chat(run.base_url, record["model"], messages, max_tokens=24)
+    assert "prefill_worker_id" in first["workers"]  # turn 1 went through the prefill worker
+    decode_labels = [p["label"] for p in record["processes"] if p["label"].startswith("decode")]
+    before = {label: _prefill_tokens_charged(record, label) for label in decode_labels}
+    assert sum(before.values()) == 0  # turn 1's KV arrived by transfer, nothing computed on D
+
+    messages += [{"role": "assistant", "content": first["text"]},
+                 {"role": "user", "content": "And then?"}]
+    time.sleep(0.5)  # the decode worker's KV events reach the frontend's router
+    second = stream_chat(run.base_url, record["model"], messages, max_tokens=24)
+    assert "x-bypass-remote-prefill" in second["events"]
+    assert "prefill_worker_id" not in second["workers"]
+    assert second["workers"]["decode_worker_id"] == first["workers"]["decode_worker_id"]
+    usage = second["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"] // 32 * 32
+    charged = sum(_prefill_tokens_charged(record, label) for label in decode_labels)
+    assert charged == usage["prompt_tokens"] - cached  # only the append was computed
+    assert run.stop() == 0

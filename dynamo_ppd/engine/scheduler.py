@@ -147,6 +147,7 @@ class Engine:
         self._by_id: dict[str, EngineRequest] = {}
         self.iterations = 0
         self.busy_s = 0.0
+        self.prefill_tokens_computed = 0  # prompt tokens charged (not reused, not received)
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, request: EngineRequest, now: float) -> None:
@@ -231,6 +232,7 @@ class Engine:
             if request.phase is not Phase.PREFILL:
                 continue
             request.computed_tokens += chunk
+            self.prefill_tokens_computed += chunk
             self.cache.commit(request.kv, request.prompt, request.computed_tokens)
             if request.prompt_remaining == 0:
                 request.phase = Phase.DECODE

@@ -82,7 +82,9 @@ class Deployment:
             "model": self.model_name, "nats_url": self.endpoints.nats_url,
             "etcd_url": self.endpoints.etcd_url, "namespace": self.graph.namespace,
             "processes": [{"label": p.label, "pid": p.popen.pid if p.popen else None,
-                           "argv": p.argv, "log": str(p.log_path)} for p in self.processes()],
+                           "argv": p.argv, "log": str(p.log_path),
+                           "system_port": int(p.env.get("DYN_SYSTEM_PORT") or 0) or None}
+                          for p in self.processes()],
         }
         (self.run_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
 

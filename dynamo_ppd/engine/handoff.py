@@ -1,0 +1,56 @@
+"""The prefill -> decode handoff: what a prefill worker returns and a decode worker receives.
+
+Dynamo's frontend (and our router) copy the prefill worker's ``disaggregated_params`` verbatim
+into ``prefill_result.disaggregated_params`` of the decode request. TensorRT-LLM puts its
+``DisaggregatedParams`` there (``request_type``, ``first_gen_tokens``, ``ctx_request_id``,
+``opaque_state``, ...); we keep those field names and put our transfer handle, a `TransferHandle`,
+base64-encoded msgpack, in ``opaque_state`` where TensorRT-LLM keeps its cache-transceiver state.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import msgspec
+
+BYPASS_REMOTE_PREFILL_ANNOTATION = "x-bypass-remote-prefill"  # dynamo.trtllm's constant
+DECODE_NEEDS_PARAMS_ERROR = "Disaggregated params are required for decode mode"  # TRT-LLM's text
+
+
+class TransferHandle(msgspec.Struct, forbid_unknown_fields=True):
+    """Names one KV transfer out of a prefill worker."""
+
+    transfer_id: str  # the prefill request's id
+    source_worker: int  # the prefill worker's instance id
+    prompt_tokens: int
+    num_bytes: int
+    kv_ready_at: float  # model-clock time at which the last byte has arrived at the decode worker
+    link_queue_s: float  # time the transfer waited behind others on the prefill worker's link
+
+
+class HandoffError(ValueError):
+    pass
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(TransferHandle)
+
+
+def pack_params(handle: TransferHandle, first_token: int) -> dict[str, Any]:
+    return {
+        "request_type": "context_only",
+        "first_gen_tokens": [first_token],
+        "ctx_request_id": handle.transfer_id,
+        "opaque_state": base64.b64encode(_encoder.encode(handle)).decode(),
+    }
+
+
+def unpack_params(params: dict[str, Any]) -> tuple[TransferHandle, int]:
+    """(handle, first token) from ``prefill_result.disaggregated_params``; HandoffError if bad."""
+    try:
+        handle = _decoder.decode(base64.b64decode(params["opaque_state"]))
+        first_token = int(params["first_gen_tokens"][0])
+    except (KeyError, IndexError, TypeError, ValueError, msgspec.DecodeError) as exc:
+        raise HandoffError(f"malformed disaggregated_params from the prefill worker: {exc}") from exc
+    return handle, first_token
