@@ -183,6 +183,19 @@ class KvCache:
             self._partial_blocks += 1
         seq.kv_tokens = kv_tokens
 
+    def extend(self, seq: SequenceKv, kv_tokens: int, tokens: Callable[[], list[int]]) -> None:
+        """`commit` for a sequence growing token by token (decode): the token list is only built
+        when a block fills or a new partial block starts, not on every step."""
+        bs = self.block_size
+        if kv_tokens // bs == len(seq.hashes) and (kv_tokens % bs == 0 or seq.has_partial):
+            seq.kv_tokens = kv_tokens
+        else:
+            self.commit(seq, tokens(), kv_tokens)
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self._reserved
+
     def release(self, seq: SequenceKv) -> None:
         """A request is done: its blocks stay cached but become evictable, leaf first."""
         for h in reversed(seq.hashes):

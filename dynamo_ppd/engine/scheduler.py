@@ -114,12 +114,14 @@ class LoadSnapshot:
     waiting_requests: int
     waiting_prompt_tokens: int
     awaiting_kv_requests: int
+    awaiting_kv_tokens: int  # prompt tokens whose KV is being transferred here
     prefill_requests: int
     prefill_tokens_remaining: int
     decode_requests: int
     decode_kv_tokens: int
     kv_used_blocks: int
     kv_active_blocks: int
+    kv_reserved_blocks: int  # promised to admitted requests, not yet filled
     kv_capacity_blocks: int
 
 
@@ -226,7 +228,8 @@ class Engine:
             if request.phase is not Phase.DECODE:  # cancelled meanwhile
                 continue
             # The token sampled last iteration now has its KV; sample the next one.
-            self.cache.commit(request.kv, request.prompt + request.output, request.kv.kv_tokens + 1)
+            self.cache.extend(request.kv, request.kv.kv_tokens + 1,
+                              lambda r=request: r.prompt + r.output)
             outputs.append(self._emit(request, now))
         for request, chunk in iteration.prefill:
             if request.phase is not Phase.PREFILL:
@@ -246,14 +249,15 @@ class Engine:
         waiting_tokens = sum(r.prompt_tokens for r in self._waiting)
         prefill = [r for r in self._running if r.phase is Phase.PREFILL]
         decode = [r for r in self._running if r.phase is Phase.DECODE]
+        awaiting = [r for r in self._running if r.phase is Phase.AWAITING_KV]
         return LoadSnapshot(
             waiting_requests=len(self._waiting), waiting_prompt_tokens=waiting_tokens,
-            awaiting_kv_requests=sum(1 for r in self._running if r.phase is Phase.AWAITING_KV),
+            awaiting_kv_requests=len(awaiting), awaiting_kv_tokens=sum(r.prompt_tokens for r in awaiting),
             prefill_requests=len(prefill),
             prefill_tokens_remaining=sum(r.prompt_remaining for r in prefill),
             decode_requests=len(decode), decode_kv_tokens=sum(r.kv.kv_tokens for r in decode),
             kv_used_blocks=self.cache.used_blocks, kv_active_blocks=self.cache.active_blocks,
-            kv_capacity_blocks=self.cache.capacity)
+            kv_reserved_blocks=self.cache.reserved_blocks, kv_capacity_blocks=self.cache.capacity)
 
     def get(self, request_id: str) -> EngineRequest | None:
         return self._by_id.get(request_id)

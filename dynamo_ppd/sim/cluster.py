@@ -1,0 +1,344 @@
+"""The simulated cluster: one `Engine` per worker, one `TransferLink` per prefill worker, and the
+discrete-event loop that owns the virtual clock (the entities and events of Vidur, small).
+
+Events are ``(time, seq, kind, payload)`` on a heap; ``seq`` grows monotonically, so events at the
+same time run in the order they were scheduled and a run is deterministic. Three kinds:
+
+- ``STEP``: an idle worker looks for work (after a submit, or when a transfer lands on it).
+- ``DONE``: a worker's iteration ends; its tokens are applied and it steps again at once.
+- ``CALL``: anything else at a given time (the driver's turn arrivals), a function to call.
+
+The P -> D handoff is the live worker's: P runs the prompt as ``context_only``; when its token
+is emitted at t, the KV of all prompt tokens is queued on P's link with ``ready_at=t``, and D gets
+the prompt as ``generation_only`` with P's token and ``kv_ready_at`` = the link's finish time.
+
+No I/O here: the cluster reports each finished request to the callback it came with.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine import (
+    Engine,
+    EngineConfig,
+    EngineProfile,
+    EngineRequest,
+    Iteration,
+    KvRemoved,
+    LoadSnapshot,
+    RequestKind,
+    TokenOutput,
+    TransferLink,
+)
+from .routing import Aggregated, DecodeLocal, Route, RoutingError, ViaPrefill
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    AGGREGATED = "aggregated"
+
+
+_ID_PREFIX = {Role.PREFILL: "P", Role.DECODE: "D", Role.AGGREGATED: "A"}
+
+
+def parse_config(text: str) -> tuple[int, int, int]:
+    """``"1P3D"`` -> (1, 3, 0), ``"4R"`` -> (0, 0, 4), ``"1P2D1R"`` -> (1, 2, 1): counts of
+    prefill, decode and replica (aggregated) workers, as the paper names its configs."""
+    spec = text.strip().upper()
+    if not re.fullmatch(r"(\d+[PDR])+", spec):
+        raise ValueError(f"config {text!r} is not like 1P3D, 2P2D or 4R (counts of P, D, R workers)")
+    counts = {"P": 0, "D": 0, "R": 0}
+    for number, role in re.findall(r"(\d+)([PDR])", spec):
+        counts[role] += int(number)
+    p, d, r = counts["P"], counts["D"], counts["R"]
+    if (p == 0) != (d == 0):
+        raise ValueError(f"config {text!r}: prefill and decode workers come together (e.g. 1P3D)")
+    if p + d + r == 0:
+        raise ValueError(f"config {text!r} has no workers")
+    return p, d, r
+
+
+@dataclass(eq=False)
+class Worker:
+    worker_id: str
+    role: Role
+    engine: Engine
+    link: TransferLink | None = None  # prefill workers: their outgoing KV link
+    iteration: Iteration | None = None  # the iteration in flight, if busy
+    wake_seq: int | None = None  # the pending STEP event that counts (later ones are stale)
+    wake_at: float = float("inf")
+    inflight: int = 0  # requests routed here and not done with it yet
+    evicted_blocks: int = 0
+
+
+@dataclass(eq=False)
+class ClusterRequest:
+    """One turn as the cluster carries it, from routing to its last token."""
+
+    request_id: str
+    conversation_id: str
+    prompt: list[int] = field(repr=False)
+    prompt_hashes: list[int] = field(repr=False)  # chained block ids, computed once for all engines
+    max_tokens: int
+    arrival_s: float
+    route: Route
+    on_done: Callable[[ClusterRequest], None]
+    prefill: EngineRequest | None = None  # the context_only request on P (via_prefill only)
+    serving: EngineRequest | None = None  # the request that emits the tokens (on D or A)
+    transfer_bytes: int = 0
+    transfer_s: float = 0.0  # queueing on P's link + sending
+
+    @property
+    def prefill_worker(self) -> str | None:
+        return self.route.prefill if isinstance(self.route, ViaPrefill) else None
+
+    @property
+    def serving_worker(self) -> str:
+        return self.route.worker if isinstance(self.route, Aggregated) else self.route.decode
+
+
+class _Event(enum.IntEnum):
+    CALL = 0
+    STEP = 1
+    DONE = 2
+
+
+class Cluster:
+    """Workers P0.., D0.., A0.. of one engine profile, and the clock that drives them."""
+
+    def __init__(self, profile: EngineProfile, num_prefill: int, num_decode: int, num_agg: int = 0,
+                 link_bandwidth_bytes_s: float | None = None, seed: int = 0,
+                 capacity_blocks: int | None = None):
+        if min(num_prefill, num_decode, num_agg) < 0 or num_prefill + num_decode + num_agg == 0:
+            raise ValueError("a cluster needs at least one worker and no negative counts")
+        self.profile = profile
+        self.kv_bytes_per_token = profile.model.kv_bytes_per_token
+        bandwidth = link_bandwidth_bytes_s
+        if bandwidth is None:
+            bandwidth = profile.transfer.link_bandwidth_bytes_s
+        setup_s = profile.transfer.transfer_setup_s
+        self.workers: dict[str, Worker] = {}
+        index = itertools.count()
+        for role, count in ((Role.PREFILL, num_prefill), (Role.DECODE, num_decode),
+                            (Role.AGGREGATED, num_agg)):
+            for i in range(count):
+                worker_id = f"{_ID_PREFIX[role]}{i}"
+                # Distinct seeds: P and D must not sample the same tokens for the same request id.
+                config = EngineConfig(seed=seed * 1_000_003 + next(index), capacity_blocks=capacity_blocks)
+                link = TransferLink(bandwidth, setup_s) if role is Role.PREFILL else None
+                self.workers[worker_id] = Worker(worker_id, role, Engine(profile, config), link)
+        self.block_size = profile.engine.block_size
+        self.now = 0.0
+        self.sessions: dict[str, str] = {}  # conversation id -> worker that decoded its last turn
+        self._requests: dict[str, ClusterRequest] = {}  # in flight, by request id
+        self._events: list[tuple[float, int, _Event, Any]] = []
+        self._seq = itertools.count()
+        self.view = ClusterView(self)
+
+    @classmethod
+    def from_config(cls, profile: EngineProfile, config: str, **kwargs: Any) -> Cluster:
+        p, d, r = parse_config(config)
+        return cls(profile, p, d, r, **kwargs)
+
+    def ids(self, role: Role) -> list[str]:
+        return [w.worker_id for w in self.workers.values() if w.role is role]
+
+    # -- the clock -------------------------------------------------------------------------------
+    def call_at(self, at: float, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` when the clock reaches ``at`` (never in the past)."""
+        self._push(max(at, self.now), _Event.CALL, (fn, args))
+
+    def run(self, until_s: float | None = None) -> float:
+        """Process events in time order until none are left (or the next is after ``until_s``);
+        returns the clock's final time."""
+        events = self._events
+        while events:
+            at, seq, kind, payload = events[0]
+            if until_s is not None and at > until_s:
+                self.now = until_s
+                break
+            heapq.heappop(events)
+            self.now = at
+            if kind is _Event.DONE:
+                self._finish_iteration(payload, at)
+            elif kind is _Event.STEP:
+                if payload.wake_seq == seq:  # otherwise superseded by an earlier wake
+                    payload.wake_seq, payload.wake_at = None, float("inf")
+                    self._step(payload, at)
+            else:
+                fn, args = payload
+                fn(*args)
+        return self.now
+
+    def pending_requests(self) -> int:
+        """Requests dispatched and not finished (non-zero after a run stopped by ``until_s``)."""
+        return len(self._requests)
+
+    def prompt_hashes(self, tokens: list[int]) -> list[int]:
+        """Chained block ids of a prompt (the same on every worker: one profile, one hasher)."""
+        return self.view.prompt_hashes(tokens)
+
+    # -- requests --------------------------------------------------------------------------------
+    def dispatch(self, request: ClusterRequest) -> None:
+        """Start a routed request now; raises RoutingError if its route cannot be executed."""
+        route = request.route
+        if isinstance(route, ViaPrefill):
+            prefill = self._worker(route.prefill, Role.PREFILL, route)
+            decode = self._worker(route.decode, Role.DECODE, route)
+            request.prefill = EngineRequest(request.request_id, request.prompt, 1, RequestKind.CONTEXT_ONLY,
+                                            prompt_hashes=request.prompt_hashes)
+            self._submit(prefill, request.prefill)
+            decode.inflight += 1  # counted from now: the router has committed to it
+        elif isinstance(route, (DecodeLocal, Aggregated)):
+            if isinstance(route, DecodeLocal):
+                decode = self._worker(route.decode, Role.DECODE, route)
+            else:
+                decode = self._worker(route.worker, Role.AGGREGATED, route)
+            request.serving = EngineRequest(request.request_id, request.prompt, request.max_tokens,
+                                            RequestKind.CONTEXT_AND_GENERATION,
+                                            prompt_hashes=request.prompt_hashes)
+            self._submit(decode, request.serving)
+        else:
+            raise RoutingError(f"a router returned {route!r}, which is not a ViaPrefill, DecodeLocal "
+                               f"or Aggregated route")
+        self._requests[request.request_id] = request
+        self.sessions[request.conversation_id] = decode.worker_id
+
+    def _worker(self, worker_id: str, role: Role, route: Route) -> Worker:
+        worker = self.workers.get(worker_id) if isinstance(worker_id, str) else None
+        if worker is None or worker.role is not role:
+            valid = ", ".join(self.ids(role)) or "none"
+            raise RoutingError(f"route {route!r} names {worker_id!r} as a {role.value} worker; this "
+                               f"cluster's {role.value} workers are: {valid}")
+        return worker
+
+    def _submit(self, worker: Worker, request: EngineRequest) -> None:
+        worker.engine.submit(request, self.now)
+        worker.inflight += 1
+        self._wake(worker, self.now)
+
+    # -- workers ---------------------------------------------------------------------------------
+    def _wake(self, worker: Worker, at: float) -> None:
+        """Make an idle worker step at ``at`` unless it already will by then. A busy worker
+        steps when its iteration ends anyway."""
+        if worker.iteration is not None or worker.wake_at <= at:
+            return
+        worker.wake_seq = self._push(at, _Event.STEP, worker)
+        worker.wake_at = at
+
+    def _step(self, worker: Worker, now: float) -> None:
+        outputs, iteration = worker.engine.step(now)
+        if iteration is not None:
+            worker.iteration = iteration
+            worker.wake_seq, worker.wake_at = None, float("inf")
+            self._push(now + iteration.duration_s, _Event.DONE, worker)
+        else:
+            wakeup = worker.engine.next_wakeup()
+            if wakeup is not None:
+                self._wake(worker, max(wakeup, now))
+        self._handle(worker, outputs)
+
+    def _finish_iteration(self, worker: Worker, now: float) -> None:
+        iteration, worker.iteration = worker.iteration, None
+        assert iteration is not None
+        outputs = worker.engine.finish(iteration, now)
+        self._handle(worker, outputs)
+        self._step(worker, now)
+
+    def _handle(self, worker: Worker, outputs: list[TokenOutput]) -> None:
+        """Apply a worker's outputs: hand finished prefills to their decode worker, report
+        finished requests. Also drains the engine's KV events, which would otherwise pile up."""
+        for event in worker.engine.drain_kv_events():
+            if isinstance(event, KvRemoved):
+                worker.evicted_blocks += len(event.block_hashes)
+        for out in outputs:
+            if not out.finished:
+                continue
+            worker.inflight -= 1
+            request = self._requests[out.request_id]
+            if worker.role is Role.PREFILL:
+                self._hand_off(worker, request, out)
+            else:
+                del self._requests[out.request_id]
+                request.on_done(request)
+
+    def _hand_off(self, prefill: Worker, request: ClusterRequest, out: TokenOutput) -> None:
+        """P's token is out at ``out.at``: queue the KV of all prompt tokens on P's link and give
+        D the request with P's token, to be emitted when the KV lands."""
+        assert prefill.link is not None and isinstance(request.route, ViaPrefill)
+        decode = self.workers[request.route.decode]
+        num_bytes = len(request.prompt) * self.kv_bytes_per_token
+        _, landed = prefill.link.schedule(num_bytes, ready_at=out.at)
+        request.transfer_bytes, request.transfer_s = num_bytes, landed - out.at
+        request.serving = EngineRequest(request.request_id, request.prompt, request.max_tokens,
+                                        RequestKind.GENERATION_ONLY, first_token=out.token_ids[0],
+                                        kv_ready_at=landed, prompt_hashes=request.prompt_hashes)
+        decode.engine.submit(request.serving, out.at)  # counted in decode.inflight since dispatch
+        self._wake(decode, out.at)
+
+    def _push(self, at: float, kind: _Event, payload: Any) -> int:
+        seq = next(self._seq)
+        heapq.heappush(self._events, (at, seq, kind, payload))
+        return seq
+
+
+class ClusterView:
+    """What a router may read: per-worker load metrics, KV-cache prefix matches (what KV events
+    tell Dynamo's indexer), each prefill link's backlog, and the conversations' session workers."""
+
+    def __init__(self, cluster: Cluster):
+        self._cluster = cluster
+        self.prefill_workers = cluster.ids(Role.PREFILL)
+        self.decode_workers = cluster.ids(Role.DECODE)
+        self.aggregated_workers = cluster.ids(Role.AGGREGATED)
+        self.block_size = cluster.block_size
+        self._hashed: tuple[list[int], list[int]] | None = None  # (tokens, their block hashes)
+
+    @property
+    def now(self) -> float:
+        return self._cluster.now
+
+    def _get(self, worker_id: str) -> Worker:
+        worker = self._cluster.workers.get(worker_id)
+        if worker is None:
+            raise RoutingError(f"no worker {worker_id!r}; workers are: {', '.join(self._cluster.workers)}")
+        return worker
+
+    def load(self, worker_id: str) -> LoadSnapshot:
+        return self._get(worker_id).engine.load()
+
+    def inflight(self, worker_id: str) -> int:
+        """Requests routed to the worker and not finished there (a router's own bookkeeping)."""
+        return self._get(worker_id).inflight
+
+    def cached_prefix_tokens(self, worker_id: str, tokens: list[int]) -> int:
+        """Leading tokens of ``tokens`` whose KV blocks the worker holds (full blocks only)."""
+        cache = self._get(worker_id).engine.cache
+        return cache.match_blocks(self.prompt_hashes(tokens)) * cache.block_size
+
+    def prompt_hashes(self, tokens: list[int]) -> list[int]:
+        """Block ids of ``tokens``, remembered for the last list asked about: routers ask about
+        the same prompt once per worker, and the cluster hashes it once more for the engines."""
+        if self._hashed is None or self._hashed[0] is not tokens:
+            cache = next(iter(self._cluster.workers.values())).engine.cache
+            self._hashed = (tokens, cache.prefix_hashes(tokens))
+        return self._hashed[1]
+
+    def link_backlog_s(self, prefill_id: str) -> float:
+        """Seconds a transfer queued now on this prefill worker's link would wait."""
+        link = self._get(prefill_id).link
+        if link is None:
+            raise RoutingError(f"{prefill_id} is not a prefill worker; it has no outgoing KV link")
+        return link.backlog_s(self._cluster.now)
+
+    def session_decode(self, conversation_id: str) -> str | None:
+        """The worker that decoded the conversation's last turn (None for a new conversation)."""
+        return self._cluster.sessions.get(conversation_id)

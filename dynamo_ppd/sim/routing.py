@@ -1,0 +1,181 @@
+"""Routing decisions: what a router sees of a request, the three routes, and the built-in routers.
+
+A router is any callable ``(features, view) -> route``. It sees `RequestFeatures` (what the live
+router learns from the request and the conversation's earlier turns) and a `ClusterView` (the
+load metrics, KV-event state and transfer backlog the live router gets from the workers), never
+the simulator's internals, so a policy tuned here can run unchanged in front of real workers.
+
+Routes, as the live router executes them:
+- `ViaPrefill(prefill, decode)`: classic PD (x=0). The prompt is prefilled on ``prefill`` and its
+  whole KV cache is sent to ``decode``.
+- `DecodeLocal(decode)`: PPD's x=1. ``decode`` runs the (append-)prefill itself, reusing the
+  conversation's KV it already holds; nothing is transferred.
+- `Aggregated(worker)`: a replica worker does prefill and decode (no disaggregation).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from .cluster import ClusterView
+
+
+class ViaPrefill(msgspec.Struct, frozen=True):
+    prefill: str
+    decode: str
+
+
+class DecodeLocal(msgspec.Struct, frozen=True):
+    decode: str
+
+
+class Aggregated(msgspec.Struct, frozen=True):
+    worker: str
+
+
+Route = ViaPrefill | DecodeLocal | Aggregated
+
+
+def route_name(route: Route) -> str:
+    """The name a record stores: via_prefill, decode_local or aggregated."""
+    if isinstance(route, ViaPrefill):
+        return "via_prefill"
+    if isinstance(route, DecodeLocal):
+        return "decode_local"
+    return "aggregated"
+
+
+class RoutingError(ValueError):
+    """A router returned something the cluster cannot execute (unknown worker, wrong role)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """What a real router knows when a turn arrives.
+
+    ``new_tokens`` counts the prompt tokens beyond the previous turn's prompt and output (the
+    router saw both stream through it); for turn 1 it is the whole prompt. ``decode_worker`` is
+    the worker that decoded the conversation's previous turn (its session worker), and
+    ``cached_on_decode`` how many prompt tokens it still holds, as its KV events report."""
+
+    conversation_id: str
+    turn: int  # 1-based
+    prompt_tokens: int
+    new_tokens: int
+    max_tokens: int
+    decode_worker: str | None
+    cached_on_decode: int
+    now: float
+    token_ids: list[int] = field(repr=False)
+
+
+Router = Callable[[RequestFeatures, "ClusterView"], Route]
+
+
+# -- load signals shared by the built-in routers ------------------------------------------------
+
+def least_loaded_prefill(view: ClusterView) -> str:
+    """The prefill worker with the fewest prompt tokens still to compute (queued or running),
+    then the fewest requests in flight, then the lowest id."""
+    def key(worker: str) -> tuple[int, int, str]:
+        load = view.load(worker)
+        return load.waiting_prompt_tokens + load.prefill_tokens_remaining, view.inflight(worker), worker
+
+    workers = view.prefill_workers
+    if not workers:
+        raise RoutingError("this router needs prefill workers; the cluster has none")
+    return min(workers, key=key)
+
+
+def least_loaded_decode(view: ClusterView) -> str:
+    """The decode worker with the fewest active KV blocks plus requests in flight to it, then
+    the fewest cached blocks (idle workers: spread the sessions' KV), then the lowest id.
+
+    Requests in flight count from the moment they are routed (the router's own bookkeeping, as
+    Dynamo's KV router predicts load): a burst of new conversations otherwise all lands on the
+    same worker before the first of them has reached it."""
+    def key(worker: str) -> tuple[int, int, str]:
+        load = view.load(worker)
+        return load.kv_active_blocks + view.inflight(worker), load.kv_used_blocks, worker
+
+    workers = view.decode_workers
+    if not workers:
+        raise RoutingError("this router needs decode workers; the cluster has none")
+    return min(workers, key=key)
+
+
+def session_decode(features: RequestFeatures, view: ClusterView) -> str:
+    """The conversation's decode worker if it has one (sticky sessions keep its KV useful),
+    else the least loaded decode worker."""
+    if features.decode_worker is not None and features.decode_worker in view.decode_workers:
+        return features.decode_worker
+    return least_loaded_decode(view)
+
+
+# -- built-in routers ---------------------------------------------------------------------------
+
+def pd_router(features: RequestFeatures, view: ClusterView) -> Route:
+    """Classic PD (x=0): every turn through the least loaded prefill worker."""
+    return ViaPrefill(least_loaded_prefill(view), session_decode(features, view))
+
+
+def local_router(features: RequestFeatures, view: ClusterView) -> Route:
+    """x=1: turn 1 as PD (nothing is cached anywhere), later turns append-prefill on the
+    conversation's decode worker."""
+    if features.turn > 1 and features.decode_worker in view.decode_workers:
+        return DecodeLocal(features.decode_worker)
+    return pd_router(features, view)
+
+
+def fraction_router(x: float, seed: int = 0) -> Router:
+    """0 <= x <= 1: each later turn goes local with probability ``x``, drawn from (seed,
+    conversation, turn) so a rerun makes the same choices whatever else changed."""
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"local fraction must be in [0, 1], got {x}")
+
+    def route(features: RequestFeatures, view: ClusterView) -> Route:
+        if features.turn > 1:
+            draw = random.Random(f"{seed}:{features.conversation_id}:{features.turn}").random()
+            if draw < x:
+                return local_router(features, view)
+        return pd_router(features, view)
+
+    route.__name__ = f"fraction_router({x})"
+    return route
+
+
+def agg_router(features: RequestFeatures, view: ClusterView) -> Route:
+    """Replicas: the aggregated worker holding the longest prefix of the prompt; ties (a new
+    conversation) to the least loaded, as `least_loaded_decode` ranks them."""
+    workers = view.aggregated_workers
+    if not workers:
+        raise RoutingError("agg_router needs aggregated workers (config like 4R); the cluster has none")
+
+    def key(worker: str) -> tuple[int, int, int, str]:
+        load = view.load(worker)
+        return (-view.cached_prefix_tokens(worker, features.token_ids),
+                load.kv_active_blocks + view.inflight(worker), load.kv_used_blocks, worker)
+
+    return Aggregated(min(workers, key=key))
+
+
+ROUTER_NAMES = ("pd", "local", "fraction", "agg")
+
+
+def make_router(name: str, local_fraction: float = 0.5, seed: int = 0) -> Router:
+    """A built-in router by its CLI name."""
+    if name == "pd":
+        return pd_router
+    if name == "local":
+        return local_router
+    if name == "fraction":
+        return fraction_router(local_fraction, seed)
+    if name == "agg":
+        return agg_router
+    raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTER_NAMES)}")

@@ -1,0 +1,101 @@
+"""The request generator, kept apart from the cluster (as in Vidur): conversations with Poisson
+arrivals, and the token ids of each turn's prompt.
+
+A conversation's turns are only sizes here. The prompt of turn k depends on what the engine
+actually generated for turn k-1, so the simulator builds it when the turn starts, with
+`ConversationPrompts`, the way a chat template renders a history:
+
+    turn 1: BOS + user header + user tokens
+    turn k: prompt(k-1) + generated(k-1) + end-of-turn + user header + user tokens
+
+so every turn's prompt starts with the previous prompt and output, token for token, and the
+previous turn's KV blocks are an exact prefix match (as with a real template). User tokens are
+drawn from [2000, 8000), apart from the ids the engine generates (1000-2000) and from the
+template ids (< 1000).
+"""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+
+BOS_TOKEN = 1
+END_OF_TURN_TOKEN = 2
+USER_HEADER = (3, 4, 5, 6)  # start header, role, end header, newline
+TEMPLATE_TOKENS = 1 + len(USER_HEADER)  # added between a turn's output and the next user message
+USER_TOKEN_RANGE = (2000, 8000)
+_USER_IDS = range(*USER_TOKEN_RANGE)
+
+
+class Turn(msgspec.Struct, frozen=True):
+    """One user message: its size, the output cap, and how long the user thinks before sending
+    it (counted from the end of the previous turn; ignored for the first turn)."""
+
+    user_tokens: int
+    max_tokens: int
+    think_time_s: float = 0.0
+
+
+class Conversation(msgspec.Struct, frozen=True):
+    conversation_id: str
+    arrival_s: float  # when the first turn arrives
+    turns: list[Turn]
+    seed: int = 0  # with the id, seeds the user tokens: same workload, same prompts
+
+
+class ConversationPrompts:
+    """Builds the prompts of one conversation turn by turn, from the outputs it is given.
+
+    Also knows how many tokens each prompt adds to what a router has already seen (the
+    previous prompt and its streamed output), which is what append-prefill has to compute."""
+
+    def __init__(self, conversation: Conversation):
+        self.conversation = conversation
+        self._rng = random.Random(f"{conversation.seed}:{conversation.conversation_id}")
+        self._history: list[int] = []  # previous prompt + previous output
+
+    def _user_tokens(self, count: int) -> list[int]:
+        return self._rng.choices(_USER_IDS, k=count)  # several times faster than randrange per token
+
+    def next_prompt(self, turn: Turn) -> tuple[list[int], int]:
+        """The next turn's prompt and its number of new tokens (for turn 1, all of them)."""
+        if not self._history:
+            prompt = [BOS_TOKEN, *USER_HEADER, *self._user_tokens(turn.user_tokens)]
+        else:
+            prompt = [*self._history, END_OF_TURN_TOKEN, *USER_HEADER, *self._user_tokens(turn.user_tokens)]
+        new_tokens = len(prompt) - len(self._history)
+        self._history = prompt
+        return prompt, new_tokens
+
+    def record_output(self, output_tokens: list[int]) -> None:
+        """The tokens the engine generated for the turn just built; the next prompt repeats them."""
+        self._history = self._history + list(output_tokens)
+
+
+def synthetic_workload(rate_conv_per_s: float, duration_s: float,
+                       first_turn: tuple[int, int] = (1024, 128),
+                       follow_up: tuple[int, int] = (128, 128), turns: int = 2,
+                       think_time_s: float = 0.0, seed: int = 0) -> list[Conversation]:
+    """Conversations arriving as a Poisson process of ``rate_conv_per_s`` in [0, duration_s).
+
+    ``first_turn`` and ``follow_up`` are (user tokens, max output tokens), as the paper's
+    synthetic workloads (n_in, n_out); every follow-up waits ``think_time_s`` after the previous
+    turn finished (a closed loop per conversation, so a slow cluster also slows the arrivals of
+    later turns, as real users do)."""
+    if rate_conv_per_s <= 0 or duration_s <= 0:
+        raise ValueError("rate and duration must be positive")
+    if turns < 1:
+        raise ValueError("a conversation has at least one turn")
+    if min(*first_turn, *follow_up) < 1:
+        raise ValueError("token counts must be at least 1")
+    if think_time_s < 0:
+        raise ValueError("think time cannot be negative")
+    rng = random.Random(seed)
+    conversations: list[Conversation] = []
+    t = rng.expovariate(rate_conv_per_s)
+    while t < duration_s:
+        plan = [Turn(*first_turn)] + [Turn(*follow_up, think_time_s=think_time_s)] * (turns - 1)
+        conversations.append(Conversation(f"c{len(conversations):05d}", t, plan, seed=seed))
+        t += rng.expovariate(rate_conv_per_s)
+    return conversations
