@@ -68,6 +68,31 @@ def _add_model(sub) -> None:
     info.add_argument("--dir", type=Path, help="model directory; default: the cache directory's")
 
 
+def _add_engine(sub) -> None:
+    p = sub.add_parser("engine", help="the simulated TensorRT-LLM engine: profiles, calibration")
+    esub = p.add_subparsers(dest="engine_command", required=True, metavar="{profiles,calibrate}")
+    esub.add_parser("profiles", help="list the bundled engine profiles and what they derive",
+                    description="List bundled engine profiles with derived KV capacity and timings.")
+    from .engine import calibrate
+
+    calibrate.add_arguments(esub.add_parser(
+        "calibrate", help="fit a profile's cost constants to measured iteration timings",
+        description=calibrate.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def _add_sim(sub) -> None:
+    p = sub.add_parser("sim", help="virtual-clock simulation of the engine model")
+    ssub = p.add_subparsers(dest="sim_command", required=True, metavar="{run,interference}")
+    from .sim import interference, run
+
+    run.add_arguments(ssub.add_parser(
+        "run", help="simulate a multi-turn workload on a P/D cluster with a routing mode",
+        description=run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    interference.add_arguments(ssub.add_parser(
+        "interference", help="decode slowdown under full vs append prefills (paper Fig. 2/7/8)",
+        description=interference.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
 def _add_bench(sub) -> None:
     sub.add_parser("bench", help="multi-turn benchmark (not implemented yet)",
                    description="The multi-turn benchmark lands with its own issue; not yet.")
@@ -82,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
     _add_model(sub)
+    _add_engine(sub)
+    _add_sim(sub)
     _add_bench(sub)
     return parser
 
@@ -116,7 +143,28 @@ def _model(args) -> int:
     return 0
 
 
+def _engine(args) -> int:
+    from .engine import calibrate
+    from .engine.cost import CostModel, PrefillChunk
+    from .engine.profile import bundled_profiles, load_profile
+
+    if args.engine_command == "calibrate":
+        return calibrate.main(args)
+    print(f"{'profile':<20}{'hardware':<26}{'KV blocks':>10}{'KV tokens':>11}{'TPOT b=1':>10}"
+          f"{'prefill 1K':>12}")
+    for name in bundled_profiles():
+        profile = load_profile(name)
+        model = CostModel(profile)
+        blocks = profile.kv_capacity_blocks()
+        tpot = model.iteration(1, 1024).total_s * 1e3
+        prefill = model.iteration(0, 0, [PrefillChunk(1024, 0, True)]).total_s * 1e3
+        print(f"{name:<20}{profile.hardware.name:<26}{blocks:>10}{blocks * profile.engine.block_size:>11}"
+              f"{tpot:>8.2f}ms{prefill:>10.1f}ms")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .engine.profile import ProfileError
     from .launch import BadInput, GraphError, LaunchError
     from .model import ModelDirError
 
@@ -126,11 +174,17 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "model":
             return _model(args)
+        if args.command == "engine":
+            return _engine(args)
+        if args.command == "sim":
+            from .sim import interference, run
+
+            return (run.main if args.sim_command == "run" else interference.main)(args)
         if args.command == "bench":
             print("dynamo-ppd bench: not yet (the multi-turn benchmark lands with its own issue)",
                   file=sys.stderr)
             return 2
-    except (GraphError, BadInput, ModelDirError) as exc:
+    except (GraphError, BadInput, ModelDirError, ProfileError) as exc:
         print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
         return 2
     except LaunchError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -131,3 +132,16 @@ def test_help_documents_serve():
 def test_bench_says_not_yet():
     result = cli("bench")
     assert result.returncode == 2 and "not yet" in result.stderr
+
+
+def test_engine_and_sim_commands_are_wired(tmp_path):
+    profiles = cli("engine", "profiles")
+    assert profiles.returncode == 0 and "h100-llama3.1-8b" in profiles.stdout
+    out = tmp_path / "interference.json"
+    result = cli("sim", "interference", "--quick", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert {p["kind"] for p in json.loads(out.read_text())["points"]} == {"full", "append"}
+    result = cli("sim", "run", "--config", "1P1D", "--rate", "2", "--duration", "2")
+    assert result.returncode == 0 and "turn-2+ TTFT" in result.stdout
+    result = cli("sim", "run", "--profile", "a100")
+    assert result.returncode == 2 and "no engine profile named 'a100'" in result.stderr

@@ -49,6 +49,8 @@ class CostModel:
         self.attention_flops = hw.peak_bf16_flops * cost.attention_flops_efficiency
         self.overhead_s = cost.iteration_overhead_s
         self.weight_stream_s = model.streamed_weight_bytes / self.bandwidth
+        # The LM head's weights are read only in iterations that sample a token.
+        self.lm_head_stream_s = model.lm_head_params * model.bytes_per_param / self.bandwidth
         self.layer_flops_per_token = 2 * model.layer_params
         self.lm_head_flops_per_sample = 2 * model.lm_head_params
         self.kv_bytes_per_token = model.kv_bytes_per_token
@@ -64,7 +66,8 @@ class CostModel:
         samples = num_decode + sum(1 for c in prefill if c.samples)
         gemm_compute_s = (self.layer_flops_per_token * tokens
                           + self.lm_head_flops_per_sample * samples) / self.gemm_flops
-        gemm_s = max(self.weight_stream_s, gemm_compute_s)
+        weights_s = self.weight_stream_s - (0.0 if samples else self.lm_head_stream_s)
+        gemm_s = max(weights_s, gemm_compute_s)
         # Decode attention: one query per sequence over its cache; bytes dominate FLOPs.
         decode_attention_s = max(decode_context_tokens * self.kv_bytes_per_token / self.bandwidth,
                                  decode_context_tokens * self.attention_flops_per_pair / self.attention_flops)

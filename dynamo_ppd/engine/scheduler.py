@@ -82,6 +82,9 @@ class EngineRequest:
     def prompt_remaining(self) -> int:
         return self.prompt_tokens - self.computed_tokens
 
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.output
+
 
 @dataclass(frozen=True, slots=True)
 class TokenOutput:
@@ -228,8 +231,7 @@ class Engine:
             if request.phase is not Phase.DECODE:  # cancelled meanwhile
                 continue
             # The token sampled last iteration now has its KV; sample the next one.
-            self.cache.extend(request.kv, request.kv.kv_tokens + 1,
-                              lambda r=request: r.prompt + r.output)
+            self.cache.extend(request.kv, request.kv.kv_tokens + 1, request.all_tokens)
             outputs.append(self._emit(request, now))
         for request, chunk in iteration.prefill:
             if request.phase is not Phase.PREFILL:
