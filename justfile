@@ -25,3 +25,11 @@ bench *args:
 # (Re)write the local model directory (tokenizer + Llama-3.1-8B-shaped config).
 model-init *args:
     uv run dynamo-ppd model init {{args}}
+
+# Interference micro-benchmark (paper Fig. 2/7/8) on the engine model: table, docs/interference.{json,png}.
+interference *args:
+    uv run dynamo-ppd sim interference --json docs/interference.json --png docs/interference.png {{args}}
+
+# Simulate a multi-turn workload on a virtual-clock cluster (see `dynamo-ppd sim run --help`).
+sim *args:
+    uv run dynamo-ppd sim run {{args}}
