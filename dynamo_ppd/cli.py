@@ -20,6 +20,16 @@ def _port(text: str) -> int:
     return value
 
 
+def _replicas(text: str) -> dict[str, int]:
+    out = {}
+    for item in text.split(","):
+        name, _, count = item.partition("=")
+        if not name or not count.isdigit():
+            raise argparse.ArgumentTypeError(f"{item!r} is not NAME=COUNT (e.g. prefill=2)")
+        out[name.strip()] = int(count)
+    return out
+
+
 def _add_serve(sub) -> None:
     p = sub.add_parser(
         "serve", help="run a graph locally: NATS, etcd, Dynamo's frontend and the workers",
@@ -47,6 +57,8 @@ def _add_serve(sub) -> None:
                    help="seconds to wait for the model to be listed on /v1/models")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the graph, check its programs exist, print the commands; start nothing")
+    p.add_argument("--replicas", type=_replicas, default={},
+                   help="override replica counts, e.g. prefill=2,decode=2 (the 2P2D layout of ppd)")
     p.add_argument("--exit-when-ready", action="store_true",
                    help="stop everything as soon as the graph is ready (a start-up check)")
 
@@ -120,7 +132,7 @@ def _serve(args) -> int:
         graph=args.graph, http_port=args.http_port, nats_port=args.nats_port,
         etcd_port=args.etcd_port, nats_url=args.nats_url, etcd_url=args.etcd_url,
         model_dir=args.model_dir, run_dir=args.run_dir, ready_timeout_s=args.ready_timeout,
-        dry_run=args.dry_run, exit_when_ready=args.exit_when_ready))
+        dry_run=args.dry_run, exit_when_ready=args.exit_when_ready, replicas=args.replicas))
 
 
 def _model(args) -> int:

@@ -39,6 +39,16 @@ def chain_hash(parent: int | None, local: int) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
+def chained_block_hashes(local_hashes: list[int]) -> list[int]:
+    """Chain per-block token hashes into prefix ids: block i's id depends on blocks 0..i."""
+    out: list[int] = []
+    parent = None
+    for local in local_hashes:
+        parent = chain_hash(parent, local)
+        out.append(parent)
+    return out
+
+
 class KvStored(msgspec.Struct, tag="stored", frozen=True):
     block_hashes: list[int]
     parent_hash: int | None
@@ -105,12 +115,7 @@ class KvCache:
     # -- hashing ---------------------------------------------------------------------------------
     def prefix_hashes(self, tokens: list[int]) -> list[int]:
         """Chained ids of the full blocks of ``tokens``."""
-        out: list[int] = []
-        parent = None
-        for local in self.hasher(tokens, self.block_size):
-            parent = chain_hash(parent, local)
-            out.append(parent)
-        return out
+        return chained_block_hashes(self.hasher(tokens, self.block_size))
 
     def match_blocks(self, hashes: list[int]) -> int:
         """How many leading blocks of ``hashes`` are cached (without taking them)."""

@@ -266,9 +266,9 @@ async def serve(config: WorkerConfig) -> None:
                              config.served_model_name or info.served_model_name,
                              worker_type=worker_type, kv_cache_block_size=engine.block_size,
                              runtime_config=runtime_config, needs=needs)
-    log.info("simulated TensorRT-LLM worker (%s, profile %s, %d KV blocks, speedup %g) serving %s.%s.%s",
-             config.mode, profile.name, engine.cache.capacity, config.speedup,
-             config.namespace, config.component, config.endpoint)
+    log.info("simulated TensorRT-LLM worker (%s, profile %s, %d KV blocks, speedup %g) serving "
+             "%s.%s.%s as instance %x", config.mode, profile.name, engine.cache.capacity,
+             config.speedup, config.namespace, config.component, config.endpoint, instance_id)
     status = runtime.endpoint(f"{config.namespace}.{config.component}.status")
     try:
         await asyncio.gather(

@@ -32,6 +32,7 @@ PLACEHOLDERS: dict[str, str] = {
     "nats_url": "the NATS server URL",
     "etcd_url": "the etcd client URL",
     "system_port": "a free port for this process's Dynamo system server (DYN_SYSTEM_PORT)",
+    "metrics_port": "another free port for this process (e.g. a router's Prometheus server)",
     "replica": "this process's replica index, from 0",
     "run_dir": "the run directory (logs and run.json)",
     "graph_dir": "the directory holding the graph file",
@@ -56,6 +57,7 @@ class Component(msgspec.Struct, forbid_unknown_fields=True):
     ready: ReadyCheck = msgspec.field(default_factory=ReadyCheck)
     stop_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     description: str = ""
+    metrics: str | None = None  # a URL `serve` prints as "<name> metrics: URL" once ready
 
 
 class Graph(msgspec.Struct, forbid_unknown_fields=True):
@@ -116,6 +118,8 @@ def _check(graph: Graph, path: Path) -> None:
         fields = [("command", s) for s in comp.command] + [(f"env.{k}", v) for k, v in comp.env.items()]
         if comp.ready.http:
             fields.append(("ready.http", comp.ready.http))
+        if comp.metrics:
+            fields.append(("metrics", comp.metrics))
         for field, text in fields:
             for placeholder in _placeholders(text, where, field):
                 if placeholder not in PLACEHOLDERS:

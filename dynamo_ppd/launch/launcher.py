@@ -53,6 +53,7 @@ class ServeOptions:
     ready_timeout_s: float = 120.0
     dry_run: bool = False
     exit_when_ready: bool = False  # bring up, report, tear down (for scripts and smoke checks)
+    replicas: dict[str, int] = field(default_factory=dict)  # component name -> replica count
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Deployment:
     model_name: str
     servers: list[ManagedProcess] = field(default_factory=list)
     workers: list[ManagedProcess] = field(default_factory=list)
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # process label -> URL
     temp_dirs: list[tempfile.TemporaryDirectory] = field(default_factory=list)
     log: Callable[[str], None] = print
 
@@ -161,6 +163,18 @@ def _model_listed(base_url: str, model_name: str) -> bool:
     return any(m.get("id") == model_name for m in data.get("data", []))
 
 
+def _with_replicas(graph: Graph, replicas: dict[str, int]) -> Graph:
+    import msgspec
+
+    names = {c.name for c in graph.components}
+    unknown = sorted(set(replicas) - names)
+    if unknown:
+        raise BadInput(f"--replicas names {unknown[0]!r}, which is not a component of graph "
+                       f"{graph.name!r} ({', '.join(sorted(names))})")
+    return msgspec.structs.replace(graph, components=[
+        msgspec.structs.replace(c, replicas=replicas.get(c.name, c.replicas)) for c in graph.components])
+
+
 def _component_processes(graph: Graph, graph_dir: Path, deployment: Deployment,
                          model_dir: Path) -> list[list[ManagedProcess]]:
     """One list of processes per component, placeholders filled in."""
@@ -170,15 +184,19 @@ def _component_processes(graph: Graph, graph_dir: Path, deployment: Deployment,
         batch = []
         for replica in range(comp.replicas):
             system_port = free_port(below=32768, avoid=taken)
-            taken.add(system_port)
+            metrics_port = free_port(below=32768, avoid=taken | {system_port})
+            taken |= {system_port, metrics_port}
             values = {
                 "python": sys.executable, "model_dir": str(model_dir),
                 "model_name": deployment.model_name, "namespace": graph.namespace,
                 "http_port": deployment.http_port, "nats_url": deployment.endpoints.nats_url,
                 "etcd_url": deployment.endpoints.etcd_url, "system_port": system_port,
+                "metrics_port": metrics_port,
                 "replica": replica, "run_dir": str(deployment.run_dir), "graph_dir": str(graph_dir),
             }
             label = comp.name if comp.replicas == 1 else f"{comp.name}-{replica}"
+            if comp.metrics:
+                deployment.metrics_urls[label] = expand(comp.metrics, values)
             env = {**_inherited_env(), **dynamo_env(deployment.endpoints, system_port),
                    **{k: expand(v, values) for k, v in comp.env.items()}}
             ready = ReadySpec(http=expand(comp.ready.http, values) if comp.ready.http else None,
@@ -200,6 +218,7 @@ def _inherited_env() -> dict[str, str]:
 def start(opts: ServeOptions, log=print) -> Deployment:
     """Bring the graph up and return it ready; on any failure, tear down what started and raise."""
     graph, graph_path = load_graph(opts.graph)
+    graph = _with_replicas(graph, opts.replicas)
     _port_checks(opts)
     model_dir = Path(opts.model_dir or model_dir_mod.default_model_dir())
     if not model_dir_mod.is_complete(model_dir):
@@ -254,6 +273,7 @@ def dry_run(opts: ServeOptions, log=print) -> None:
     import shutil
 
     graph, graph_path = load_graph(opts.graph)
+    graph = _with_replicas(graph, opts.replicas)
     model_dir = Path(opts.model_dir or model_dir_mod.default_model_dir())
     run_dir = Path(opts.run_dir or _default_run_dir(graph))
     endpoints = Endpoints(nats_url=opts.nats_url or f"nats://127.0.0.1:{opts.nats_port}",
@@ -317,11 +337,12 @@ def serve(opts: ServeOptions) -> int:
 
 
 def _print_ready(dep: Deployment) -> None:
+    metrics = "".join(f"\n{label} metrics: {url}" for label, url in dep.metrics_urls.items())
     body = json.dumps({"model": dep.model_name, "stream": True, "max_tokens": 32,
                        "messages": [{"role": "user", "content": "Hello! Who are you?"}]})
     print(f"""
   OpenAI endpoint  {dep.base_url}/v1   (model {dep.model_name})
-  logs             {dep.run_dir}/logs/
+  logs             {dep.run_dir}/logs/{metrics}
   try:  curl -sN {dep.base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'
 
   Ctrl-C stops everything.

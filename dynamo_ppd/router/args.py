@@ -1,0 +1,117 @@
+"""Command line of the PPD router (`python -m dynamo_ppd.router`, `dynamo-ppd router`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..engine.profile import DEFAULT_PROFILE
+from .policy import Mode
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    mode: Mode
+    local_fraction: float
+    w_ttft: float
+    w_tpot: float
+    table: Path | None
+    profile: str
+    namespace: str
+    workers_namespace: str
+    prefill_component: str
+    decode_component: str
+    replica_component: str | None
+    model_path: Path | None
+    served_model_name: str | None
+    block_size: int
+    default_max_tokens: int
+    session_ttl_s: float
+    session_prefix: str
+    min_resident_fraction: float
+    etcd_url: str
+    nats_url: str
+    metrics_port: int
+
+
+def _weights(text: str) -> tuple[float, float]:
+    try:
+        w_ttft, w_tpot = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not W_TTFT,W_TPOT (e.g. 1,1 or 2,1)") from None
+    if w_ttft < 0 or w_tpot < 0 or w_ttft + w_tpot == 0:
+        raise argparse.ArgumentTypeError("weights must be non-negative and not both zero")
+    return w_ttft, w_tpot
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not within [0, 1]")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dynamo_ppd.router",
+        description="PPD router: a Dynamo component behind the OpenAI frontend that sends each "
+        "turn of a conversation through a prefill worker or straight to the decode worker holding "
+        "its history (an append-prefill there).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.PPD,
+                   help="pd: every turn via prefill (x=0); local: follow-ups on their decode worker "
+                   "(x=1); fraction: a fixed share local; ppd: the score over predicted TTFT/TPOT; "
+                   "replica: aggregated workers only")
+    p.add_argument("--local-fraction", type=_fraction, default=0.5,
+                   help="share of follow-ups kept decode-local in fraction mode")
+    p.add_argument("--weights", type=_weights, default=(1.0, 1.0),
+                   help="W_TTFT,W_TPOT of the ppd score (presets: 1,1 balanced; 2,1; 1,2)")
+    p.add_argument("--table", type=Path, help="PPD decision table (lands with the policy issue)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help="engine profile for ppd predictions (name or YAML path)")
+    p.add_argument("--namespace", default="ppd",
+                   help="Dynamo namespace the router serves the public model in")
+    p.add_argument("--workers-namespace", default="workers",
+                   help="Dynamo namespace of the prefill/decode workers (hidden from the frontend)")
+    p.add_argument("--prefill-component", default="prefill", help="prefill workers' component")
+    p.add_argument("--decode-component", default="backend", help="decode workers' component")
+    p.add_argument("--replica-component", help="aggregated workers' component (replica mode)")
+    p.add_argument("--model-path", type=Path, help="local model directory; default: the cache's")
+    p.add_argument("--served-model-name", help="public model name; default: the model directory's")
+    p.add_argument("--block-size", type=int, default=32, help="KV block size of the workers")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="expected output length when a request sets no max_tokens")
+    p.add_argument("--session-ttl", type=float, default=3600.0,
+                   help="seconds a session stays after its last turn (an etcd lease)")
+    p.add_argument("--session-prefix", default="ppd", help="etcd key prefix of the sessions")
+    p.add_argument("--min-resident-fraction", type=_fraction, default=0.5,
+                   help="a follow-up is decode-local only if its decode worker still holds this "
+                   "share of the history; less means evicted, and the turn goes via prefill")
+    p.add_argument("--etcd-url", default=os.environ.get("ETCD_ENDPOINTS", "http://127.0.0.1:2379").split(",")[0],
+                   help="etcd for sessions (default: $ETCD_ENDPOINTS)")
+    p.add_argument("--nats-url", default=os.environ.get("NATS_SERVER", "nats://127.0.0.1:4222"),
+                   help="NATS for the workers' KV events (default: $NATS_SERVER)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics on 127.0.0.1:PORT (0: off)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> RouterConfig:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.table is not None and not a.table.is_file():
+        parser.error(f"--table {a.table}: no such file")
+    if a.table is not None:
+        parser.error("--table: decision tables arrive with the policy issue; use --mode ppd without "
+                     "a table (predictions from --profile) for now")
+    return RouterConfig(
+        mode=a.mode, local_fraction=a.local_fraction, w_ttft=a.weights[0], w_tpot=a.weights[1],
+        table=a.table, profile=a.profile, namespace=a.namespace, workers_namespace=a.workers_namespace,
+        prefill_component=a.prefill_component, decode_component=a.decode_component,
+        replica_component=a.replica_component, model_path=a.model_path,
+        served_model_name=a.served_model_name, block_size=a.block_size,
+        default_max_tokens=a.default_max_tokens, session_ttl_s=a.session_ttl,
+        session_prefix=a.session_prefix, min_resident_fraction=a.min_resident_fraction,
+        etcd_url=a.etcd_url, nats_url=a.nats_url, metrics_port=a.metrics_port)

@@ -1,0 +1,88 @@
+"""Sending one request to workers over Dynamo's request plane, the ways Dynamo's frontend does.
+
+- via prefill: the preprocessed request goes to the prefill worker with ``max_tokens = 1``; its
+  ``disaggregated_params`` and ``prompt_tokens_details`` become the decode request's
+  ``prefill_result``; the decode worker's stream is the answer (brief §4).
+- decode-local: the request goes to the decode worker with the ``x-bypass-remote-prefill``
+  annotation (Dynamo's conditional-disaggregation contract): an append-prefill there.
+- replica: the request goes unchanged to an aggregated worker.
+
+The incoming request context is passed down, so a client that goes away cancels the work.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
+
+
+class WorkerFailed(Exception):
+    """A worker could not be reached or broke off before the first token (safe to retry)."""
+
+    def __init__(self, worker: int, cause: Exception):
+        super().__init__(f"worker {worker:x}: {cause}")
+        self.worker = worker
+
+
+async def _open(client, request: dict, worker: int, context) -> AsyncIterator[dict]:
+    try:
+        if context is not None:
+            return await client.direct(request, worker, annotated=False, context=context)
+        return await client.direct(request, worker, annotated=False)
+    except Exception as exc:  # noqa: BLE001 (connection errors come in several Dynamo types)
+        raise WorkerFailed(worker, exc) from exc
+
+
+async def prefill_then_decode(prefill_client, decode_client, request: dict[str, Any], prefill: int,
+                              decode: int, context) -> AsyncIterator[dict]:
+    prefill_request = copy.deepcopy(request)
+    prefill_request.setdefault("stop_conditions", {})["max_tokens"] = 1
+    params, details = None, None
+    try:
+        async for chunk in await _open(prefill_client, prefill_request, prefill, context):
+            if isinstance(chunk.get("finish_reason"), dict) and "error" in chunk["finish_reason"]:
+                yield chunk  # the prefill worker refused the request: the client gets its error
+                return
+            params = chunk.get("disaggregated_params") or params
+            usage = chunk.get("completion_usage") or {}
+            details = usage.get("prompt_tokens_details") or details
+    except WorkerFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise WorkerFailed(prefill, exc) from exc
+    if params is None:
+        raise WorkerFailed(prefill, RuntimeError("prefill worker returned no disaggregated_params"))
+    decode_request = dict(request)
+    decode_request["prefill_result"] = {"disaggregated_params": params, "prompt_tokens_details": details}
+    async for chunk in _stream(decode_client, decode_request, decode, context):
+        yield chunk
+
+
+async def decode_local(decode_client, request: dict[str, Any], decode: int, context) -> AsyncIterator[dict]:
+    local_request = dict(request)
+    local_request["annotations"] = [*request.get("annotations", []), BYPASS_REMOTE_PREFILL_ANNOTATION]
+    async for chunk in _stream(decode_client, local_request, decode, context):
+        yield chunk
+
+
+async def replica(client, request: dict[str, Any], worker: int, context) -> AsyncIterator[dict]:
+    async for chunk in _stream(client, request, worker, context):
+        yield chunk
+
+
+async def _stream(client, request: dict, worker: int, context) -> AsyncIterator[dict]:
+    """Relay a worker's stream; failures before its first chunk are `WorkerFailed` (retryable)."""
+    started = False
+    try:
+        async for chunk in await _open(client, request, worker, context):
+            started = True
+            yield chunk
+    except WorkerFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        if not started:
+            raise WorkerFailed(worker, exc) from exc
+        raise

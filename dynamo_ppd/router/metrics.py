@@ -1,0 +1,43 @@
+"""The router's Prometheus metrics (served on --metrics-port) and its per-decision debug line."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger("dynamo_ppd.router.decisions")
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.decisions = Counter("ppd_decisions", "Routing decisions", ["route", "turn", "reason"],
+                                 registry=self.registry)
+        self.decision_seconds = Histogram(
+            "ppd_decision_seconds", "Time to decide a route (lookup, residency, policy)",
+            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2, 0.1), registry=self.registry)
+        self.sessions_active = Gauge("ppd_sessions_active", "Sessions in the local table",
+                                     registry=self.registry)
+        self.residency_misses = Counter(
+            "ppd_residency_misses", "Follow-ups whose decode worker no longer held the history",
+            registry=self.registry)
+        self.rehomes = Counter("ppd_rehomes", "Turns moved to another decode worker (theirs was gone)",
+                               registry=self.registry)
+        self.etcd_up = Gauge("ppd_etcd_up", "1 while etcd answers", registry=self.registry)
+        self.nats_up = Gauge("ppd_nats_up", "1 while the KV event subscription is connected",
+                             registry=self.registry)
+        self.kv_events = Counter("ppd_kv_events", "KV events applied to the residency index",
+                                 registry=self.registry)
+        self.errors = Counter("ppd_request_errors", "Requests that ended in an error", ["kind"],
+                              registry=self.registry)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+
+def debug_line(**fields) -> None:
+    """One JSON line per decision (inputs, score, route) at debug level."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(json.dumps(fields, default=str, separators=(",", ":")))

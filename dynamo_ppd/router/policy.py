@@ -1,0 +1,186 @@
+"""The routing decision for one request, pure and deterministic (no I/O, no clock).
+
+Turn 1 (nothing cached anywhere) always goes through a prefill worker. A follow-up turn either
+runs on the conversation's decode worker as an append-prefill (``decode_local``, x=1) or goes
+through a prefill worker again (``via_prefill``, x=0). Which one depends on the mode:
+
+- ``pd``: always via prefill (classic disaggregation).
+- ``local``: always decode-local when the decode worker still holds the history.
+- ``fraction``: decode-local for a fixed, deterministic share of follow-ups.
+- ``ppd``: the paper's score (brief §2) over TTFT and TPOT predicted for both routes,
+  ``S = w_ttft (TTFT_pd - TTFT_local)/TTFT_pd - w_tpot (TPOT_local - TPOT_pd)/TPOT_pd``;
+  decode-local when S > 0. The predictions come from a `RoutePredictor` (the engine profile's
+  cost model now; the measured tables of the policy issue plug in at the same place).
+- ``replica``: aggregated workers only (no disaggregation), as the paper's Replica baseline.
+
+Whatever the mode, a follow-up whose history the decode worker no longer holds (evicted, or the
+worker is gone) is not an append-prefill any more and goes through a prefill worker.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..engine.cost import CostModel, PrefillChunk
+from ..engine.profile import EngineProfile
+
+
+class Mode(str, enum.Enum):
+    PD = "pd"
+    LOCAL = "local"
+    FRACTION = "fraction"
+    PPD = "ppd"
+    REPLICA = "replica"
+
+
+class Route(str, enum.Enum):
+    DECODE_LOCAL = "decode_local"
+    VIA_PREFILL = "via_prefill"
+    REPLICA = "replica"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """What the router knows about a worker's load right now."""
+
+    inflight_requests: int = 0  # requests this router has running there
+    pending_prefill_tokens: int = 0  # prompt tokens routed there and not yet prefilled
+    decode_requests: int = 0  # sequences decoding there (as last reported)
+    decode_kv_tokens: int = 0  # their total context
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    decision_key: str  # session and turn: the fraction mode's coin is fixed per key
+    turn: int  # 1-based turn of the conversation, as the router counts it
+    prompt_tokens: int
+    cached_on_decode: int  # prompt tokens the session's decode worker still holds (0 if none)
+    cached_on_prefill: int  # prompt tokens the best prefill worker holds
+    expected_output_tokens: int
+    has_session_decode: bool  # the conversation has a live decode worker
+    decode_load: WorkerLoad
+    prefill_load: WorkerLoad
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens an append-prefill on the session's decode worker would compute."""
+        return self.prompt_tokens - self.cached_on_decode
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    ttft_s: float
+    tpot_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    route: Route
+    reason: str  # why, for metrics and the debug line
+    score: float | None = None
+    local: Prediction | None = None
+    via_prefill: Prediction | None = None
+
+
+class RoutePredictor(Protocol):
+    def predict(self, features: RequestFeatures) -> tuple[Prediction, Prediction]:
+        """(decode-local, via-prefill) predictions for a follow-up turn."""
+        ...
+
+
+class ProfilePredictor:
+    """Cold-start predictions from the engine profile's cost model.
+
+    - via prefill: the prefill worker computes the tokens it does not hold, after the prompt
+      tokens already queued on it; the whole prompt's KV crosses the link; the decode worker then
+      decodes at its current batch.
+    - decode-local: the decode worker computes the tokens it does not hold inside its current
+      batch (one iteration with that chunk); its TPOT pays that iteration's extra time spread over
+      the request's output tokens.
+    """
+
+    def __init__(self, profile: EngineProfile):
+        self.cost = CostModel(profile)
+        self.kv_bytes_per_token = profile.model.kv_bytes_per_token
+        self.link_bandwidth = profile.transfer.link_bandwidth_bytes_s
+        self.transfer_setup_s = profile.transfer.transfer_setup_s
+
+    def _decode_step_s(self, load: WorkerLoad, prompt_tokens: int) -> float:
+        return self.cost.iteration(load.decode_requests + 1, load.decode_kv_tokens + prompt_tokens).total_s
+
+    def predict(self, f: RequestFeatures) -> tuple[Prediction, Prediction]:
+        decode_step = self._decode_step_s(f.decode_load, f.prompt_tokens)
+        pending = f.prefill_load.pending_prefill_tokens
+        queued = self.cost.iteration(0, 0, [PrefillChunk(pending, 0, True)]).total_s if pending else 0.0
+        uncached_p = max(1, f.prompt_tokens - f.cached_on_prefill)
+        prefill_s = self.cost.iteration(0, 0, [PrefillChunk(uncached_p, f.cached_on_prefill, True)]).total_s
+        transfer_s = self.transfer_setup_s + f.prompt_tokens * self.kv_bytes_per_token / self.link_bandwidth
+        via_prefill = Prediction(ttft_s=queued + prefill_s + transfer_s + decode_step / 2, tpot_s=decode_step)
+
+        load = f.decode_load
+        append = self.cost.iteration(load.decode_requests, load.decode_kv_tokens,
+                                     [PrefillChunk(max(1, f.new_tokens), f.cached_on_decode, True)]).total_s
+        extra = max(0.0, append - self.cost.iteration(load.decode_requests, load.decode_kv_tokens).total_s)
+        outputs = max(1, f.expected_output_tokens)
+        # Arriving mid-iteration, the append waits half a decode step on average.
+        local = Prediction(ttft_s=decode_step / 2 + append, tpot_s=decode_step + extra / outputs)
+        return local, via_prefill
+
+
+def score(local: Prediction, via_prefill: Prediction, w_ttft: float, w_tpot: float) -> float:
+    """The paper's S: positive when decode-local serves the weighted goal better."""
+    return (w_ttft * (via_prefill.ttft_s - local.ttft_s) / via_prefill.ttft_s
+            - w_tpot * (local.tpot_s - via_prefill.tpot_s) / via_prefill.tpot_s)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    mode: Mode = Mode.PPD
+    local_fraction: float = 0.5
+    w_ttft: float = 1.0
+    w_tpot: float = 1.0
+    # A follow-up is decode-local only if the decode worker holds at least this share of the
+    # history it sent before (less means it was evicted: the turn is a full prefill again).
+    min_resident_fraction: float = 0.5
+
+
+class Policy:
+    def __init__(self, config: PolicyConfig, predictor: RoutePredictor | None = None):
+        if config.mode is Mode.PPD and predictor is None:
+            raise ValueError("ppd mode needs a route predictor")
+        if not 0.0 <= config.local_fraction <= 1.0:
+            raise ValueError("local fraction must be within [0, 1]")
+        self.config = config
+        self.predictor = predictor
+
+    def decide(self, f: RequestFeatures, history_tokens: int) -> Decision:
+        """Route one request. ``history_tokens``: how much of this prompt the conversation had
+        already sent and received (what the decode worker should hold)."""
+        mode = self.config.mode
+        if mode is Mode.REPLICA:
+            return Decision(Route.REPLICA, "replica_mode")
+        if f.turn <= 1 or not f.has_session_decode:
+            return Decision(Route.VIA_PREFILL, "first_turn" if f.turn <= 1 else "no_decode_worker")
+        if history_tokens and f.cached_on_decode < self.config.min_resident_fraction * history_tokens:
+            return Decision(Route.VIA_PREFILL, "history_evicted")
+        if mode is Mode.PD:
+            return Decision(Route.VIA_PREFILL, "pd_mode")
+        if mode is Mode.LOCAL:
+            return Decision(Route.DECODE_LOCAL, "local_mode")
+        if mode is Mode.FRACTION:
+            local = _unit_hash(f.decision_key) < self.config.local_fraction
+            return Decision(Route.DECODE_LOCAL if local else Route.VIA_PREFILL, "fraction_mode")
+        assert self.predictor is not None
+        local_p, prefill_p = self.predictor.predict(f)
+        s = score(local_p, prefill_p, self.config.w_ttft, self.config.w_tpot)
+        route = Route.DECODE_LOCAL if s > 0 else Route.VIA_PREFILL
+        return Decision(route, "score", s, local_p, prefill_p)
+
+
+def _unit_hash(key: str) -> float:
+    """A deterministic number in [0, 1) per key (the same request id always routes the same)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64

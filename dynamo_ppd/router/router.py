@@ -1,0 +1,309 @@
+"""The PPD router component: Dynamo I/O around the pure policy.
+
+Per request: find the conversation's session (header, else longest known prefix), ask the
+residency index how much of the prompt its decode worker (D) and each prefill worker (P) hold,
+decide with the policy, dispatch (via P then D, or decode-local on D), stream the answer, and
+record the turn in the session. Workers that vanish are routed around: a gone D re-homes the
+turn through a P to another D; a gone P makes the turn decode-local when D holds the prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
+from ..engine.kv_cache import chain_hash, chained_block_hashes
+from . import dispatch
+from .args import RouterConfig
+from .metrics import RouterMetrics, debug_line
+from .policy import Decision, Policy, RequestFeatures, Route, WorkerLoad
+from .residency import Residency, kv_events_subject
+from .sessions import EtcdSessions, SessionRecord
+
+log = logging.getLogger("dynamo_ppd.router")
+
+MAX_ATTEMPTS = 3  # first try plus re-homes when a worker fails before its first token
+
+
+class NoWorkers(Exception):
+    """No worker of a needed kind: HTTP 503."""
+
+
+class _Loads:
+    """What this router has in flight per worker (the live load it routes new conversations by)."""
+
+    def __init__(self) -> None:
+        self.inflight: dict[int, int] = defaultdict(int)
+        self.prefill_tokens: dict[int, int] = defaultdict(int)
+        self.context_tokens: dict[int, int] = defaultdict(int)
+
+    def of(self, worker: int | None) -> WorkerLoad:
+        if worker is None:
+            return WorkerLoad()
+        return WorkerLoad(inflight_requests=self.inflight[worker],
+                          pending_prefill_tokens=self.prefill_tokens[worker],
+                          decode_requests=self.inflight[worker],
+                          decode_kv_tokens=self.context_tokens[worker])
+
+
+class PpdRouter:
+    def __init__(self, runtime, config: RouterConfig, policy: Policy, metrics: RouterMetrics):
+        self.runtime = runtime
+        self.config = config
+        self.policy = policy
+        self.metrics = metrics
+        self.residency = Residency(config.block_size)
+        self.sessions = EtcdSessions(config.etcd_url, config.session_prefix, config.session_ttl_s,
+                                     on_health=lambda up: metrics.etcd_up.set(1 if up else 0))
+        self.loads = _Loads()
+        self.clients: dict[str, Any] = {}
+        self._nats: Any = None
+
+    async def start(self) -> None:
+        import nats
+        from dynamo._core import compute_block_hash_for_seq
+
+        self._hash = compute_block_hash_for_seq
+        ns, cfg = self.config.workers_namespace, self.config
+        components = {"prefill": cfg.prefill_component, "decode": cfg.decode_component}
+        if cfg.replica_component:
+            components["replica"] = cfg.replica_component
+        for role, component in components.items():
+            self.clients[role] = await self.runtime.endpoint(f"{ns}.{component}.generate").client()
+
+        async def on_kv_event(msg) -> None:
+            try:
+                self.metrics.kv_events.inc(self.residency.apply_envelope(msg.data))
+            except Exception:  # noqa: BLE001 (one bad message must not stop the subscription)
+                log.exception("could not apply a KV event message")
+
+        async def nats_down() -> None:
+            self.metrics.nats_up.set(0)
+
+        async def nats_up() -> None:
+            self.metrics.nats_up.set(1)
+
+        self._nats = await nats.connect(cfg.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=1,
+                                        disconnected_cb=nats_down, reconnected_cb=nats_up)
+        self.metrics.nats_up.set(1)
+        for component in components.values():
+            await self._nats.subscribe(kv_events_subject(ns, component), cb=on_kv_event)
+        await self.sessions.start()
+
+    async def stop(self) -> None:
+        await self.sessions.stop()
+        if self._nats is not None:
+            await self._nats.close()
+
+    # -- the handler -----------------------------------------------------------------------------
+    async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict]:
+        from dynamo.llm.exceptions import HttpError, InvalidArgument
+
+        tokens = request.get("token_ids")
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
+            self.metrics.errors.labels("bad_request").inc()
+            raise InvalidArgument("the request has no prompt token ids")
+        # A client cannot choose its route: drop a bypass annotation it sent (as Dynamo does).
+        request["annotations"] = [a for a in request.get("annotations") or []
+                                  if a != BYPASS_REMOTE_PREFILL_ANNOTATION]
+        try:
+            plan = await self._plan(request, tokens)
+        except NoWorkers as exc:
+            self.metrics.errors.labels("no_workers").inc()
+            raise HttpError(503, str(exc)) from None
+        output: list[int] = []
+        async for chunk in self._run(plan, request, context):
+            output.extend(chunk.get("token_ids") or [])
+            yield chunk
+        await self._record_turn(plan, tokens, output)
+
+    async def _plan(self, request: dict, tokens: list[int]) -> _Plan:
+        started = time.perf_counter()
+        cfg = self.config
+        local_hashes = self._hash(tokens, cfg.block_size)
+        chained = chained_block_hashes(local_hashes)
+        header_id = (request.get("agent_context") or {}).get("session_id")
+        record = self.sessions.get(header_id) if header_id else self.sessions.find_by_prefix(chained)
+        session_id = header_id or (record.session_id if record else f"auto-{uuid.uuid4().hex}")
+        turn = record.turn + 1 if record else 1
+        plan = _Plan(session_id=session_id, turn=turn, prompt_tokens=len(tokens), chained=chained)
+
+        if cfg.mode.value == "replica":
+            plan.decode = self._pick_replica(local_hashes)
+            plan.decision = self.policy.decide(self._features(plan, request, None, 0, None, 0), 0)
+            return self._decided(plan, started)
+
+        decode_ids = self.clients["decode"].instance_ids()
+        if not decode_ids:
+            raise NoWorkers("no decode worker is available; start one (or wait for it to register)")
+        session_decode = record.decode_worker if record and record.decode_worker in decode_ids else None
+        rehome = record is not None and record.decode_worker is not None and session_decode is None
+        cached_d = self.residency.cached_tokens(session_decode, local_hashes)
+        plan.prefill, cached_p = self._pick_prefill(local_hashes, len(tokens))
+        features = self._features(plan, request, session_decode, cached_d, plan.prefill, cached_p)
+        history = record.context_tokens if record and session_decode is not None else 0
+        decision = self.policy.decide(features, history_tokens=history)
+        if decision.route is Route.VIA_PREFILL and plan.prefill is None:
+            if session_decode is None or cached_d == 0:
+                raise NoWorkers("no prefill worker is available and no decode worker holds this "
+                                "conversation; start a prefill worker")
+            decision = Decision(Route.DECODE_LOCAL, "no_prefill_worker")
+        if decision.reason == "history_evicted":
+            self.metrics.residency_misses.inc()
+        if rehome:
+            self.metrics.rehomes.inc()
+        plan.decision = decision
+        plan.decode = session_decode if session_decode is not None else self._pick_decode(decode_ids)
+        self._decided(plan, started)  # the decision proper; a new session's etcd claim follows
+        if record is None:
+            claimed = await self.sessions.claim(SessionRecord(
+                session_id=session_id, decode_worker=plan.decode, prefill_worker=plan.prefill,
+                last_access=time.time()))
+            if claimed.decode_worker is not None and claimed.decode_worker in decode_ids:
+                plan.decode = claimed.decode_worker  # another router replica may have placed it first
+        debug_line(session=session_id, turn=turn, prompt_tokens=len(tokens), cached_on_decode=cached_d,
+                   cached_on_prefill=cached_p, decode=plan.decode, prefill=plan.prefill,
+                   route=decision.route.value, reason=decision.reason, score=decision.score,
+                   rehome=rehome, local=decision.local, via_prefill=decision.via_prefill)
+        return plan
+
+    def _decided(self, plan: _Plan, started: float) -> _Plan:
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        self.metrics.decisions.labels(plan.decision.route.value, "first" if plan.turn == 1 else "follow_up",
+                                      plan.decision.reason).inc()
+        return plan
+
+    def _features(self, plan: _Plan, request: dict, decode: int | None, cached_d: int,
+                  prefill: int | None, cached_p: int) -> RequestFeatures:
+        stop = request.get("stop_conditions") or {}
+        return RequestFeatures(
+            decision_key=f"{plan.session_id}:{plan.turn}", turn=plan.turn, prompt_tokens=plan.prompt_tokens,
+            cached_on_decode=cached_d, cached_on_prefill=cached_p,
+            expected_output_tokens=stop.get("max_tokens") or self.config.default_max_tokens,
+            has_session_decode=decode is not None, decode_load=self.loads.of(decode),
+            prefill_load=self.loads.of(prefill))
+
+    def _pick_prefill(self, local_hashes: list[int], prompt_tokens: int) -> tuple[int | None, int]:
+        """The prefill worker with the least work for this prompt: tokens it does not hold plus the
+        prompt tokens already queued on it (KV overlap and load, as Dynamo's KV router weighs)."""
+        ids = self.clients["prefill"].instance_ids()
+        if not ids:
+            return None, 0
+        cached = self.residency.cached_blocks(local_hashes)
+        block = self.config.block_size
+
+        def cost(worker: int) -> tuple[int, int]:
+            return (prompt_tokens - cached.get(worker, 0) * block + self.loads.prefill_tokens[worker], worker)
+
+        best = min(ids, key=cost)
+        return best, cached.get(best, 0) * block
+
+    def _pick_decode(self, ids: list[int], exclude: set[int] | None = None) -> int:
+        """A new conversation's decode worker: the least loaded now (never by hash)."""
+        candidates = [w for w in ids if w not in (exclude or set())]
+        if not candidates:
+            raise NoWorkers("no decode worker is available")
+        return min(candidates, key=lambda w: (self.loads.inflight[w], self.loads.context_tokens[w], w))
+
+    def _pick_replica(self, local_hashes: list[int]) -> int:
+        ids = self.clients["replica"].instance_ids() if "replica" in self.clients else []
+        if not ids:
+            raise NoWorkers("no aggregated (replica) worker is available")
+        cached = self.residency.cached_blocks(local_hashes)
+        return max(ids, key=lambda w: (cached.get(w, 0), -self.loads.inflight[w], -w))
+
+    # -- running a plan --------------------------------------------------------------------------
+    async def _run(self, plan: _Plan, request: dict, context) -> AsyncIterator[dict]:
+        failed: set[int] = set()
+        for attempt in range(MAX_ATTEMPTS):
+            worker = plan.decode
+            self.loads.inflight[worker] += 1
+            self.loads.context_tokens[worker] += plan.prompt_tokens
+            if plan.decision.route is Route.VIA_PREFILL and plan.prefill is not None:
+                self.loads.prefill_tokens[plan.prefill] += plan.prompt_tokens
+            try:
+                async for chunk in self._stream(plan, request, context):
+                    yield chunk
+                return
+            except dispatch.WorkerFailed as exc:
+                failed.add(exc.worker)
+                log.warning("worker %x failed before answering (%s); re-homing the turn", exc.worker, exc)
+                self._rehome(plan, failed)
+                if attempt == MAX_ATTEMPTS - 1:
+                    self.metrics.errors.labels("workers_failed").inc()
+                    from dynamo.llm.exceptions import HttpError
+
+                    raise HttpError(503, f"workers failed: {exc}") from None
+            finally:
+                self.loads.inflight[worker] -= 1
+                self.loads.context_tokens[worker] -= plan.prompt_tokens
+                if plan.prefill is not None and self.loads.prefill_tokens[plan.prefill] >= plan.prompt_tokens:
+                    self.loads.prefill_tokens[plan.prefill] -= plan.prompt_tokens
+
+    def _stream(self, plan: _Plan, request: dict, context) -> AsyncIterator[dict]:
+        route = plan.decision.route
+        if route is Route.REPLICA:
+            return dispatch.replica(self.clients["replica"], request, plan.decode, context)
+        if route is Route.DECODE_LOCAL:
+            return dispatch.decode_local(self.clients["decode"], request, plan.decode, context)
+        assert plan.prefill is not None
+        return dispatch.prefill_then_decode(self.clients["prefill"], self.clients["decode"], request,
+                                            plan.prefill, plan.decode, context)
+
+    def _rehome(self, plan: _Plan, failed: set[int]) -> None:
+        """After a worker failed: route the turn via a live prefill worker to a live decode one."""
+        self.metrics.rehomes.inc()
+        decode_ids = [w for w in self.clients["decode"].instance_ids() if w not in failed]
+        prefill_ids = [w for w in self.clients["prefill"].instance_ids() if w not in failed]
+        if plan.decision.route is Route.REPLICA:
+            replicas = [w for w in self.clients["replica"].instance_ids() if w not in failed]
+            if not replicas:
+                raise NoWorkers("no aggregated worker left")
+            plan.decode = replicas[0]
+            return
+        if plan.decode in failed or plan.decision.route is Route.DECODE_LOCAL:
+            plan.decode = self._pick_decode(decode_ids)
+        if not prefill_ids:
+            raise NoWorkers("no prefill worker left to re-home the turn")
+        plan.prefill = min(prefill_ids, key=lambda w: (self.loads.prefill_tokens[w], w))
+        plan.decision = Decision(Route.VIA_PREFILL, "rehome")
+
+    async def _record_turn(self, plan: _Plan, prompt: list[int], output: list[int]) -> None:
+        """The turn is done: its decode worker now holds prompt + output; remember that."""
+        history = prompt + output
+        full = len(history) // self.config.block_size
+        known = len(plan.chained)
+        history_hash = None
+        if full:
+            if full <= known:
+                history_hash = plan.chained[full - 1]
+            else:
+                bs = self.config.block_size
+                tail = self._hash(history[known * bs:full * bs], bs)
+                history_hash = plan.chained[-1] if known else None
+                for local in tail:
+                    history_hash = chain_hash(history_hash, local)
+        record = SessionRecord(session_id=plan.session_id, decode_worker=plan.decode,
+                               prefill_worker=plan.prefill, turn=plan.turn, context_tokens=len(history),
+                               history_hash=history_hash, last_access=time.time())
+        await self.sessions.save(record)
+        self.metrics.sessions_active.set(len(self.sessions.table))
+
+
+@dataclass
+class _Plan:
+    """One request's route and the workers it uses (a re-home changes them)."""
+
+    session_id: str
+    turn: int
+    prompt_tokens: int
+    chained: list[int]  # chained block hashes of the prompt
+    decision: Decision = Decision(Route.VIA_PREFILL, "undecided")
+    prefill: int | None = None
+    decode: int = 0  # the decode (or aggregated) worker

@@ -1,0 +1,64 @@
+"""Running the router: Dynamo runtime, public model registration, endpoint, metrics server."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from .. import model as model_dir
+from ..engine.profile import load_profile
+from .args import RouterConfig, parse_args
+from .metrics import RouterMetrics
+from .policy import Mode, Policy, PolicyConfig, ProfilePredictor
+from .router import PpdRouter
+
+log = logging.getLogger("dynamo_ppd.router")
+
+
+def build_policy(config: RouterConfig) -> Policy:
+    predictor = ProfilePredictor(load_profile(config.profile)) if config.mode is Mode.PPD else None
+    return Policy(PolicyConfig(mode=config.mode, local_fraction=config.local_fraction,
+                               w_ttft=config.w_ttft, w_tpot=config.w_tpot,
+                               min_resident_fraction=config.min_resident_fraction), predictor)
+
+
+async def serve(config: RouterConfig) -> None:
+    from dynamo.common.utils.runtime import create_runtime
+    from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+
+    runtime, loop = create_runtime(os.environ.get("DYN_DISCOVERY_BACKEND", "etcd"),
+                                   os.environ.get("DYN_REQUEST_PLANE", "tcp"),
+                                   os.environ.get("DYN_EVENT_PLANE") or None)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, runtime.shutdown)
+    metrics = RouterMetrics()
+    if config.metrics_port:
+        metrics.serve(config.metrics_port)
+    router = PpdRouter(runtime, config, build_policy(config), metrics)
+    await router.start()
+    path = config.model_path or model_dir.default_model_dir()
+    if not model_dir.is_complete(path):
+        model_dir.init_model_dir(path)
+    name = config.served_model_name or model_dir.load_model_info(path).served_model_name
+    endpoint = runtime.endpoint(f"{config.namespace}.router.generate")
+    runtime_config = ModelRuntimeConfig()
+    await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, str(path),
+                         name, worker_type=WorkerType.Aggregated, kv_cache_block_size=config.block_size,
+                         runtime_config=runtime_config)
+    log.info("PPD router (mode %s, weights %g,%g) serving %s in %s; workers in %s",
+             config.mode.value, config.w_ttft, config.w_tpot, name, config.namespace,
+             config.workers_namespace)
+    try:
+        await endpoint.serve_endpoint(router.generate, graceful_shutdown=True)
+    finally:
+        await router.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvloop
+    from dynamo.runtime.logging import configure_dynamo_logging
+
+    configure_dynamo_logging()
+    config = parse_args(argv)
+    uvloop.run(serve(config))
