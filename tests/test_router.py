@@ -126,7 +126,8 @@ def sessions_in(etcd_url: str) -> dict[str, object]:
     async def read():
         host, port = etcd_host_port(etcd_url)
         async with aetcd.Client(host=host, port=port, timeout=5) as client:
-            return {kv.key.decode(): decode_session(kv.value) for kv in await client.get_prefix(b"ppd/sessions/")}
+            found = await client.get_prefix(b"ppd/sessions/")
+            return {kv.key.decode(): decode_session(kv.value) for kv in found}
     return asyncio.run(read())
 
 

@@ -23,8 +23,10 @@ from dynamo_ppd.router.policy import (
 from dynamo_ppd.router.residency import Residency
 from dynamo_ppd.router.sessions import SessionRecord, SessionTable, decode, encode
 
+IDLE = WorkerLoad()
 
-def features(turn=2, prompt=2000, cached_d=1900, key="s:2", decode=WorkerLoad(), prefill=WorkerLoad(),
+
+def features(turn=2, prompt=2000, cached_d=1900, key="s:2", decode=IDLE, prefill=IDLE,
              has_decode=True, out=128) -> RequestFeatures:
     return RequestFeatures(decision_key=key, turn=turn, prompt_tokens=prompt, cached_on_decode=cached_d,
                            cached_on_prefill=0, expected_output_tokens=out, has_session_decode=has_decode,
@@ -75,10 +77,13 @@ def test_fraction_is_deterministic_per_key_and_close_to_x():
 
 def test_raising_w_tpot_never_raises_the_local_share():
     rng = random.Random(0)
-    cases = [features(prompt=(p := rng.randint(200, 8000)), cached_d=int(p * rng.uniform(0.5, 0.99)),
-                      decode=WorkerLoad(decode_requests=(b := rng.randint(0, 200)), decode_kv_tokens=b * 1500),
-                      prefill=WorkerLoad(pending_prefill_tokens=rng.randint(0, 20000)),
-                      out=rng.randint(8, 512)) for _ in range(300)]
+    cases = []
+    for _ in range(300):
+        prompt, batch = rng.randint(200, 8000), rng.randint(0, 200)
+        cases.append(features(prompt=prompt, cached_d=int(prompt * rng.uniform(0.5, 0.99)),
+                              decode=WorkerLoad(decode_requests=batch, decode_kv_tokens=batch * 1500),
+                              prefill=WorkerLoad(pending_prefill_tokens=rng.randint(0, 20000)),
+                              out=rng.randint(8, 512)))
     shares = []
     for w_tpot in (0.5, 1, 3, 6, 20):
         p = policy(Mode.PPD, w_tpot=w_tpot)
