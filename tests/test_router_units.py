@@ -20,7 +20,7 @@ from dynamo_ppd.router.policy import (
     WorkerLoad,
     score,
 )
-from dynamo_ppd.router.residency import Residency
+from dynamo_ppd.router.residency import Residency, prefix_chain
 from dynamo_ppd.router.sessions import SessionRecord, SessionTable, decode, encode
 
 IDLE = WorkerLoad()
@@ -130,11 +130,17 @@ def test_residency_follows_stored_and_removed_events():
     residency = Residency(block_size=32)
     tokens = list(range(1000, 1320))  # 10 blocks
     local = compute_block_hash_for_seq(tokens, 32)
+    chain = prefix_chain(local)
     blocks = [{"block_hash": 100 + i, "tokens_hash": h} for i, h in enumerate(local)]
-    residency.apply(7, {"event_id": 1, "data": {"stored": {"parent_hash": None, "blocks": blocks}}})
-    assert residency.cached_tokens(7, local) == 320
-    assert residency.cached_tokens(8, local) == 0
-    residency.apply(7, {"event_id": 2, "data": {"removed": {"block_hashes": [106, 107, 108, 109]}}})
-    assert residency.cached_tokens(7, local) == 6 * 32
+    # Stored in two events, the second continuing from the first's last block.
+    residency.apply(7, {"event_id": 1, "data": {"stored": {"parent_hash": None, "blocks": blocks[:4]}}})
+    residency.apply(7, {"event_id": 2, "data": {"stored": {"parent_hash": 103, "blocks": blocks[4:]}}})
+    assert residency.held_blocks(7, chain) == 10
+    assert residency.held_by_worker(chain, [7, 8]) == {7: 10, 8: 0}
+    # The same tokens after a different first block are a different prefix.
+    other = prefix_chain(compute_block_hash_for_seq(list(range(5000, 5032)) + tokens[32:], 32))
+    assert residency.held_blocks(7, other) == 0
+    residency.apply(7, {"event_id": 3, "data": {"removed": {"block_hashes": [106, 107, 108, 109]}}})
+    assert residency.held_blocks(7, chain) == 6
     residency.remove_worker(7)
-    assert residency.cached_tokens(7, local) == 0
+    assert residency.held_blocks(7, chain) == 0

@@ -23,7 +23,7 @@ from . import dispatch
 from .args import RouterConfig
 from .metrics import RouterMetrics, debug_line
 from .policy import Decision, Policy, RequestFeatures, Route, WorkerLoad
-from .residency import Residency, kv_events_subject
+from .residency import Residency, kv_events_subject, prefix_chain
 from .sessions import EtcdSessions, SessionRecord
 
 log = logging.getLogger("dynamo_ppd.router")
@@ -127,15 +127,19 @@ class PpdRouter:
         started = time.perf_counter()
         cfg = self.config
         local_hashes = self._hash(tokens, cfg.block_size)
-        chained = chained_block_hashes(local_hashes)
+        residency_chain = prefix_chain(local_hashes)
         header_id = (request.get("agent_context") or {}).get("session_id")
-        record = self.sessions.get(header_id) if header_id else self.sessions.find_by_prefix(chained)
+        # Chained prefix hashes are only needed on the decision path to find a session without a
+        # header; otherwise they are computed after the answer, when the turn is recorded.
+        chained = None if header_id else chained_block_hashes(local_hashes)
+        record = self.sessions.get(header_id) if header_id else self.sessions.find_by_prefix(chained or [])
         session_id = header_id or (record.session_id if record else f"auto-{uuid.uuid4().hex}")
         turn = record.turn + 1 if record else 1
-        plan = _Plan(session_id=session_id, turn=turn, prompt_tokens=len(tokens), chained=chained)
+        plan = _Plan(session_id=session_id, turn=turn, prompt_tokens=len(tokens),
+                     local_hashes=local_hashes, chained=chained)
 
         if cfg.mode.value == "replica":
-            plan.decode = self._pick_replica(local_hashes)
+            plan.decode = self._pick_replica(residency_chain)
             plan.decision = self.policy.decide(self._features(plan, request, None, 0, None, 0), 0)
             return self._decided(plan, started)
 
@@ -144,8 +148,8 @@ class PpdRouter:
             raise NoWorkers("no decode worker is available; start one (or wait for it to register)")
         session_decode = record.decode_worker if record and record.decode_worker in decode_ids else None
         rehome = record is not None and record.decode_worker is not None and session_decode is None
-        cached_d = self.residency.cached_tokens(session_decode, local_hashes)
-        plan.prefill, cached_p = self._pick_prefill(local_hashes, len(tokens))
+        cached_d = self.residency.held_blocks(session_decode, residency_chain) * cfg.block_size
+        plan.prefill, cached_p = self._pick_prefill(residency_chain, len(tokens))
         features = self._features(plan, request, session_decode, cached_d, plan.prefill, cached_p)
         history = record.context_tokens if record and session_decode is not None else 0
         decision = self.policy.decide(features, history_tokens=history)
@@ -189,13 +193,13 @@ class PpdRouter:
             has_session_decode=decode is not None, decode_load=self.loads.of(decode),
             prefill_load=self.loads.of(prefill))
 
-    def _pick_prefill(self, local_hashes: list[int], prompt_tokens: int) -> tuple[int | None, int]:
+    def _pick_prefill(self, chain: list[int], prompt_tokens: int) -> tuple[int | None, int]:
         """The prefill worker with the least work for this prompt: tokens it does not hold plus the
         prompt tokens already queued on it (KV overlap and load, as Dynamo's KV router weighs)."""
         ids = self.clients["prefill"].instance_ids()
         if not ids:
             return None, 0
-        cached = self.residency.cached_blocks(local_hashes)
+        cached = self.residency.held_by_worker(chain, ids)
         block = self.config.block_size
 
         def cost(worker: int) -> tuple[int, int]:
@@ -211,11 +215,11 @@ class PpdRouter:
             raise NoWorkers("no decode worker is available")
         return min(candidates, key=lambda w: (self.loads.inflight[w], self.loads.context_tokens[w], w))
 
-    def _pick_replica(self, local_hashes: list[int]) -> int:
+    def _pick_replica(self, chain: list[int]) -> int:
         ids = self.clients["replica"].instance_ids() if "replica" in self.clients else []
         if not ids:
             raise NoWorkers("no aggregated (replica) worker is available")
-        cached = self.residency.cached_blocks(local_hashes)
+        cached = self.residency.held_by_worker(chain, ids)
         return max(ids, key=lambda w: (cached.get(w, 0), -self.loads.inflight[w], -w))
 
     # -- running a plan --------------------------------------------------------------------------
@@ -277,18 +281,14 @@ class PpdRouter:
     async def _record_turn(self, plan: _Plan, prompt: list[int], output: list[int]) -> None:
         """The turn is done: its decode worker now holds prompt + output; remember that."""
         history = prompt + output
-        full = len(history) // self.config.block_size
-        known = len(plan.chained)
-        history_hash = None
-        if full:
-            if full <= known:
-                history_hash = plan.chained[full - 1]
-            else:
-                bs = self.config.block_size
-                tail = self._hash(history[known * bs:full * bs], bs)
-                history_hash = plan.chained[-1] if known else None
-                for local in tail:
-                    history_hash = chain_hash(history_hash, local)
+        bs = self.config.block_size
+        known = len(plan.local_hashes)
+        # The history's blocks: the prompt's full blocks, then those the output completed.
+        local = plan.local_hashes + self._hash(history[known * bs:len(history) // bs * bs], bs)
+        chained = plan.chained if plan.chained is not None else chained_block_hashes(plan.local_hashes)
+        history_hash = chained[-1] if chained else None
+        for block in local[known:]:
+            history_hash = chain_hash(history_hash, block)
         record = SessionRecord(session_id=plan.session_id, decode_worker=plan.decode,
                                prefill_worker=plan.prefill, turn=plan.turn, context_tokens=len(history),
                                history_hash=history_hash, last_access=time.time())
@@ -303,7 +303,8 @@ class _Plan:
     session_id: str
     turn: int
     prompt_tokens: int
-    chained: list[int]  # chained block hashes of the prompt
+    local_hashes: list[int]  # Dynamo's per-block token hashes of the prompt
+    chained: list[int] | None  # chained prefix hashes of the prompt, when already computed
     decision: Decision = Decision(Route.VIA_PREFILL, "undecided")
     prefill: int | None = None
     decode: int = 0  # the decode (or aggregated) worker
