@@ -5,8 +5,8 @@ default:
     @just --list
 
 # `exec`: a SIGTERM to `just` then reaches the launcher, which stops every process.
-# Run a graph locally (default `pd`: Dynamo frontend, 1 prefill + 3 decode workers); Ctrl-C stops it.
-serve graph="pd" *args:
+# Run a graph locally (default `ppd`: frontend, PPD router, 1 prefill + 3 decode workers); Ctrl-C stops it.
+serve graph="ppd" *args:
     exec uv run dynamo-ppd serve {{graph}} {{args}}
 
 # Run the test suite (real NATS, etcd and Dynamo processes on loopback).
@@ -17,6 +17,14 @@ test *args:
 lint:
     uv run ruff check .
     uv run mypy dynamo_ppd
+
+# Router decision latency, in process (p50/p99 over 100k decisions).
+bench-decisions *args:
+    uv run python -m dynamo_ppd.router.bench {{args}}
+
+# TTFT the PPD router adds over Dynamo's frontend-native PD path, at low load.
+bench-overhead *args:
+    uv run python -m dynamo_ppd.router.bench_overhead {{args}}
 
 # Multi-turn benchmark (lands with its own issue).
 bench *args:

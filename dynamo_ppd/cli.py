@@ -105,6 +105,11 @@ def _add_sim(sub) -> None:
         description=interference.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
+def _add_router(sub) -> None:
+    sub.add_parser("router", help="run the PPD router component (same as python -m dynamo_ppd.router; "
+                   "`dynamo-ppd router --help` lists its flags)", add_help=False)
+
+
 def _add_bench(sub) -> None:
     sub.add_parser("bench", help="multi-turn benchmark (not implemented yet)",
                    description="The multi-turn benchmark lands with its own issue; not yet.")
@@ -121,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(sub)
     _add_engine(sub)
     _add_sim(sub)
+    _add_router(sub)
     _add_bench(sub)
     return parser
 
@@ -180,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     from .launch import BadInput, GraphError, LaunchError
     from .model import ModelDirError
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["router"]:  # the router has its own command line (dynamo_ppd/router/args.py)
+        from .router.service import main as router_main
+
+        router_main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "turn of a conversation through a prefill worker or straight to the decode worker holding "
         "its history (an append-prefill there).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.PPD,
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.PPD.value,
                    help="pd: every turn via prefill (x=0); local: follow-ups on their decode worker "
                    "(x=1); fraction: a fixed share local; ppd: the score over predicted TTFT/TPOT; "
                    "replica: aggregated workers only")
@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         parser.error("--table: decision tables arrive with the policy issue; use --mode ppd without "
                      "a table (predictions from --profile) for now")
     return RouterConfig(
-        mode=a.mode, local_fraction=a.local_fraction, w_ttft=a.weights[0], w_tpot=a.weights[1],
+        mode=Mode(a.mode), local_fraction=a.local_fraction, w_ttft=a.weights[0], w_tpot=a.weights[1],
         table=a.table, profile=a.profile, namespace=a.namespace, workers_namespace=a.workers_namespace,
         prefill_component=a.prefill_component, decode_component=a.decode_component,
         replica_component=a.replica_component, model_path=a.model_path,

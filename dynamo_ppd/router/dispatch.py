@@ -13,7 +13,7 @@ The incoming request context is passed down, so a client that goes away cancels 
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
@@ -37,7 +37,9 @@ async def _open(client, request: dict, worker: int, context) -> AsyncIterator[di
 
 
 async def prefill_then_decode(prefill_client, decode_client, request: dict[str, Any], prefill: int,
-                              decode: int, context) -> AsyncIterator[dict]:
+                              decode: Callable[[], Awaitable[int]], context) -> AsyncIterator[dict]:
+    """``decode`` is asked for the decode worker only once the prefill is done, so whatever
+    settles it (a new session's etcd claim) overlaps with the prefill."""
     prefill_request = copy.deepcopy(request)
     prefill_request.setdefault("stop_conditions", {})["max_tokens"] = 1
     params, details = None, None
@@ -57,7 +59,7 @@ async def prefill_then_decode(prefill_client, decode_client, request: dict[str, 
         raise WorkerFailed(prefill, RuntimeError("prefill worker returned no disaggregated_params"))
     decode_request = dict(request)
     decode_request["prefill_result"] = {"disaggregated_params": params, "prompt_tokens_details": details}
-    async for chunk in _stream(decode_client, decode_request, decode, context):
+    async for chunk in _stream(decode_client, decode_request, await decode(), context):
         yield chunk
 
 

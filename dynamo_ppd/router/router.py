@@ -9,12 +9,13 @@ turn through a P to another D; a gone P makes the turn decode-local when D holds
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
@@ -164,13 +165,14 @@ class PpdRouter:
             self.metrics.rehomes.inc()
         plan.decision = decision
         plan.decode = session_decode if session_decode is not None else self._pick_decode(decode_ids)
-        self._decided(plan, started)  # the decision proper; a new session's etcd claim follows
+        self._decided(plan, started)
         if record is None:
-            claimed = await self.sessions.claim(SessionRecord(
+            # A new session: claim it in etcd (another router replica may be placing it right now)
+            # while the prefill runs; the decode worker is settled when the prefill is done.
+            plan.claim = asyncio.get_running_loop().create_task(self.sessions.claim(SessionRecord(
                 session_id=session_id, decode_worker=plan.decode, prefill_worker=plan.prefill,
-                last_access=time.time()))
-            if claimed.decode_worker is not None and claimed.decode_worker in decode_ids:
-                plan.decode = claimed.decode_worker  # another router replica may have placed it first
+                last_access=time.time())))
+            plan.decode_ids = decode_ids
         debug_line(session=session_id, turn=turn, prompt_tokens=len(tokens), cached_on_decode=cached_d,
                    cached_on_prefill=cached_p, decode=plan.decode, prefill=plan.prefill,
                    route=decision.route.value, reason=decision.reason, score=decision.score,
@@ -258,7 +260,15 @@ class PpdRouter:
             return dispatch.decode_local(self.clients["decode"], request, plan.decode, context)
         assert plan.prefill is not None
         return dispatch.prefill_then_decode(self.clients["prefill"], self.clients["decode"], request,
-                                            plan.prefill, plan.decode, context)
+                                            plan.prefill, lambda: self._settle_decode(plan), context)
+
+    async def _settle_decode(self, plan: _Plan) -> int:
+        """The decode worker, once a new session's claim is settled (the first claimant wins)."""
+        if plan.claim is not None:
+            claimed, plan.claim = await plan.claim, None
+            if claimed.decode_worker is not None and claimed.decode_worker in plan.decode_ids:
+                plan.decode = claimed.decode_worker
+        return plan.decode
 
     def _rehome(self, plan: _Plan, failed: set[int]) -> None:
         """After a worker failed: route the turn via a live prefill worker to a live decode one."""
@@ -308,3 +318,5 @@ class _Plan:
     decision: Decision = Decision(Route.VIA_PREFILL, "undecided")
     prefill: int | None = None
     decode: int = 0  # the decode (or aggregated) worker
+    claim: asyncio.Task | None = None  # a new session's etcd claim, settled before decode
+    decode_ids: list[int] = field(default_factory=list)

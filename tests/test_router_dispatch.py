@@ -1,0 +1,132 @@
+"""The router's handler in process, with scripted worker clients: what it sends to which worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dynamo_ppd.router.args import parse_args
+from dynamo_ppd.router.metrics import RouterMetrics
+from dynamo_ppd.router.router import PpdRouter
+from dynamo_ppd.router.service import build_policy
+
+PREFILL, D1, D2 = 1, 11, 12
+
+
+class FakeClient:
+    """Records requests; answers like a simulated worker (prefill: params; decode: tokens)."""
+
+    def __init__(self, ids: list[int], role: str, dead: set[int] | None = None):
+        self.ids, self.role, self.dead = ids, role, dead if dead is not None else set()
+        self.sent: list[tuple[int, dict]] = []
+
+    def instance_ids(self) -> list[int]:
+        return list(self.ids)
+
+    async def direct(self, request, worker, annotated=False, context=None):
+        if worker in self.dead:
+            raise ConnectionError(f"worker {worker} is gone")
+        self.sent.append((worker, request))
+        return self._answer(request)
+
+    async def _answer(self, request):
+        if self.role == "prefill":
+            yield {"token_ids": [1500], "finish_reason": "length",
+                   "disaggregated_params": {"opaque_state": "x", "first_gen_tokens": [1500]},
+                   "completion_usage": {"prompt_tokens_details": {"cached_tokens": 0}}}
+            return
+        for i in range(request["stop_conditions"]["max_tokens"]):
+            yield {"token_ids": [1000 + i]}
+
+
+def make_router(mode: str = "local", dead: set[int] | None = None) -> PpdRouter:
+    from dynamo._core import compute_block_hash_for_seq
+
+    config = parse_args(["--mode", mode])
+    router = PpdRouter(None, config, build_policy(config), RouterMetrics())
+    router._hash = compute_block_hash_for_seq
+    router.clients = {"prefill": FakeClient([PREFILL], "prefill", dead),
+                      "decode": FakeClient([D1, D2], "decode", dead)}
+    return router
+
+
+def hold(router: PpdRouter, worker: int, tokens: list[int]) -> None:
+    """Tell the router's residency index that ``worker`` stored these tokens' blocks."""
+    local = router._hash(tokens, 32)
+    blocks = [{"block_hash": (worker << 32) + i, "tokens_hash": h} for i, h in enumerate(local)]
+    stored = {"parent_hash": None, "blocks": blocks}
+    router.residency.apply(worker, {"event_id": 0, "data": {"stored": stored}})
+
+
+async def turn(router: PpdRouter, tokens: list[int], session: str = "s", annotations=None) -> list[int]:
+    request = {"token_ids": tokens, "stop_conditions": {"max_tokens": 4},
+               "annotations": annotations or [], "agent_context": {"session_id": session}}
+    return [t for chunk in [c async for c in router.generate(request)] for t in chunk["token_ids"]]
+
+
+def test_first_turn_hands_off_and_a_client_bypass_annotation_is_dropped():
+    async def run():
+        router = make_router()
+        out = await turn(router, list(range(2000, 2300)), annotations=["x-bypass-remote-prefill"])
+        assert out == [1000, 1001, 1002, 1003]
+        [(p_worker, p_request)] = router.clients["prefill"].sent
+        [(d_worker, d_request)] = router.clients["decode"].sent
+        assert p_worker == PREFILL and p_request["stop_conditions"]["max_tokens"] == 1
+        assert d_request["stop_conditions"]["max_tokens"] == 4
+        assert d_request["prefill_result"]["disaggregated_params"]["first_gen_tokens"] == [1500]
+        assert "x-bypass-remote-prefill" not in d_request["annotations"]
+        assert "x-bypass-remote-prefill" not in p_request["annotations"]
+        return router, d_worker
+
+    router, decode = asyncio.run(run())
+    assert router.sessions.get("s").decode_worker == decode
+
+
+def test_follow_up_goes_to_the_session_decode_worker_with_the_annotation():
+    async def run():
+        router = make_router()
+        first = list(range(2000, 2300))
+        out = await turn(router, first)
+        decode = router.clients["decode"].sent[0][0]
+        hold(router, decode, first + out)
+        await turn(router, first + out + list(range(3000, 3040)))
+        worker, request = router.clients["decode"].sent[-1]
+        assert worker == decode and request["annotations"] == ["x-bypass-remote-prefill"]
+        assert "prefill_result" not in request and len(router.clients["prefill"].sent) == 1
+
+    asyncio.run(run())
+
+
+def test_dead_decode_worker_is_rehomed_through_prefill():
+    async def run():
+        dead: set[int] = set()
+        router = make_router(dead=dead)
+        first = list(range(2000, 2300))
+        out = await turn(router, first)
+        decode = router.clients["decode"].sent[0][0]
+        hold(router, decode, first + out)
+        dead.add(decode)  # gone, but still listed (its registration has not expired yet)
+        out2 = await turn(router, first + out + list(range(3000, 3040)))
+        assert len(out2) == 4
+        worker, request = router.clients["decode"].sent[-1]
+        assert worker != decode and "prefill_result" in request
+        assert router.sessions.get("s").decode_worker == worker
+        assert router.metrics.rehomes._value.get() == 1
+
+    asyncio.run(run())
+
+
+def test_no_decode_worker_is_a_503_and_no_tokens_a_4xx():
+    from dynamo.llm.exceptions import HttpError, InvalidArgument
+
+    async def run():
+        router = make_router()
+        router.clients["decode"].ids = []
+        with pytest.raises(HttpError) as err:
+            await turn(router, list(range(2000, 2100)))
+        assert err.value.code == 503 and "no decode worker" in err.value.message
+        with pytest.raises(InvalidArgument, match="no prompt token ids"):
+            await turn(router, [])
+
+    asyncio.run(run())
