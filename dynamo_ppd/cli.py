@@ -105,6 +105,15 @@ def _add_sim(sub) -> None:
         description=interference.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
+def _add_table(sub) -> None:
+    from .policy import cli as table_cli
+
+    table_cli.add_arguments(sub.add_parser(
+        "table", help="PPD decision tables: build, show, explain, reweight, evaluate",
+        description="Build a table (every grid cell measured at x=0 and x=1), read it, recompute it "
+        "for other weights, or compare it with and without online correction in the simulation."))
+
+
 def _add_router(sub) -> None:
     sub.add_parser("router", help="run the PPD router component (same as python -m dynamo_ppd.router; "
                    "`dynamo-ppd router --help` lists its flags)", add_help=False)
@@ -126,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(sub)
     _add_engine(sub)
     _add_sim(sub)
+    _add_table(sub)
     _add_router(sub)
     _add_bench(sub)
     return parser
@@ -204,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
             from .sim import interference, run
 
             return (run.main if args.sim_command == "run" else interference.main)(args)
+        if args.command == "table":
+            from .policy import cli as table_cli
+
+            return table_cli.main(args)
         if args.command == "bench":
             print("dynamo-ppd bench: not yet (the multi-turn benchmark lands with its own issue)",
                   file=sys.stderr)

@@ -8,7 +8,7 @@ import pytest
 
 from dynamo_ppd.engine import load_profile
 from dynamo_ppd.engine.kv_cache import chained_block_hashes
-from dynamo_ppd.router.policy import (
+from dynamo_ppd.policy.decision import (
     Decision,
     Mode,
     Policy,

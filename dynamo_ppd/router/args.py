@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine.profile import DEFAULT_PROFILE
-from .policy import Mode
+from ..policy.decision import Mode
 
 
 @dataclass(frozen=True)

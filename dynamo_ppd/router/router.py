@@ -20,10 +20,10 @@ from typing import Any
 
 from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
 from ..engine.kv_cache import chain_hash, chained_block_hashes
+from ..policy.decision import Decision, Policy, RequestFeatures, Route, WorkerLoad
 from . import dispatch
 from .args import RouterConfig
 from .metrics import RouterMetrics, debug_line
-from .policy import Decision, Policy, RequestFeatures, Route, WorkerLoad
 from .residency import Residency, kv_events_subject, prefix_chain
 from .sessions import EtcdSessions, SessionRecord
 

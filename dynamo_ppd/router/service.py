@@ -8,9 +8,9 @@ import signal
 
 from .. import model as model_dir
 from ..engine.profile import load_profile
+from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from .args import RouterConfig, parse_args
 from .metrics import RouterMetrics
-from .policy import Mode, Policy, PolicyConfig, ProfilePredictor
 from .router import PpdRouter
 
 log = logging.getLogger("dynamo_ppd.router")

@@ -7,10 +7,13 @@ through a prefill worker again (``via_prefill``, x=0). Which one depends on the 
 - ``pd``: always via prefill (classic disaggregation).
 - ``local``: always decode-local when the decode worker still holds the history.
 - ``fraction``: decode-local for a fixed, deterministic share of follow-ups.
-- ``ppd``: the paper's score (brief §2) over TTFT and TPOT predicted for both routes,
-  ``S = w_ttft (TTFT_pd - TTFT_local)/TTFT_pd - w_tpot (TPOT_local - TPOT_pd)/TPOT_pd``;
-  decode-local when S > 0. The predictions come from a `RoutePredictor` (the engine profile's
-  cost model now; the measured tables of the policy issue plug in at the same place).
+- ``ppd``: the paper's score (`score.score`), decode-local when S > 0. With a table, S is the
+  measured score of the request's grid cell plus an online correction: how much the cost model
+  says the score moves from the conditions the cell was measured under (its representative
+  context and workload, the loads seen then) to this request's real ones (its cached and new
+  tokens, the prefill queue, the decode worker's batch). A hot decode worker, a cold prefill
+  worker or a workload unlike the grid's therefore move the decision; with no drift the table
+  decides alone. Without a table (cold start), S comes from the cost model's predictions alone.
 - ``replica``: aggregated workers only (no disaggregation), as the paper's Replica baseline.
 
 Whatever the mode, a follow-up whose history the decode worker no longer holds (evicted, or the
@@ -26,6 +29,8 @@ from typing import Protocol
 
 from ..engine.cost import CostModel, PrefillChunk
 from ..engine.profile import EngineProfile
+from .score import Prediction, score
+from .table import PpdTable, Weights
 
 
 class Mode(str, enum.Enum):
@@ -63,17 +68,12 @@ class RequestFeatures:
     has_session_decode: bool  # the conversation has a live decode worker
     decode_load: WorkerLoad
     prefill_load: WorkerLoad
+    qps: float = 0.0  # request rate the router sees (sliding window)
 
     @property
     def new_tokens(self) -> int:
         """Tokens an append-prefill on the session's decode worker would compute."""
         return self.prompt_tokens - self.cached_on_decode
-
-
-@dataclass(frozen=True, slots=True)
-class Prediction:
-    ttft_s: float
-    tpot_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +83,8 @@ class Decision:
     score: float | None = None
     local: Prediction | None = None
     via_prefill: Prediction | None = None
+    cell: tuple[str, str, float] | None = None  # the table cell used, if any
+    table_score: float | None = None  # the cell's measured score (before the online correction)
 
 
 class RoutePredictor(Protocol):
@@ -130,12 +132,6 @@ class ProfilePredictor:
         return local, via_prefill
 
 
-def score(local: Prediction, via_prefill: Prediction, w_ttft: float, w_tpot: float) -> float:
-    """The paper's S: positive when decode-local serves the weighted goal better."""
-    return (w_ttft * (via_prefill.ttft_s - local.ttft_s) / via_prefill.ttft_s
-            - w_tpot * (local.tpot_s - via_prefill.tpot_s) / via_prefill.tpot_s)
-
-
 @dataclass(frozen=True)
 class PolicyConfig:
     mode: Mode = Mode.PPD
@@ -148,13 +144,18 @@ class PolicyConfig:
 
 
 class Policy:
-    def __init__(self, config: PolicyConfig, predictor: RoutePredictor | None = None):
+    def __init__(self, config: PolicyConfig, predictor: RoutePredictor | None = None,
+                 table: PpdTable | None = None, online_correction: bool = True):
         if config.mode is Mode.PPD and predictor is None:
-            raise ValueError("ppd mode needs a route predictor")
+            raise ValueError("ppd mode needs a route predictor (the engine profile's)")
         if not 0.0 <= config.local_fraction <= 1.0:
             raise ValueError("local fraction must be within [0, 1]")
         self.config = config
         self.predictor = predictor
+        self.table = table
+        self.online_correction = online_correction
+        self._cells = table.index() if table else {}
+        self._weights = Weights(config.w_ttft, config.w_tpot)
 
     def decide(self, f: RequestFeatures, history_tokens: int) -> Decision:
         """Route one request. ``history_tokens``: how much of this prompt the conversation had
@@ -174,10 +175,45 @@ class Policy:
             local = _unit_hash(f.decision_key) < self.config.local_fraction
             return Decision(Route.DECODE_LOCAL if local else Route.VIA_PREFILL, "fraction_mode")
         assert self.predictor is not None
+        w_ttft, w_tpot = self.config.w_ttft, self.config.w_tpot
         local_p, prefill_p = self.predictor.predict(f)
-        s = score(local_p, prefill_p, self.config.w_ttft, self.config.w_tpot)
-        route = Route.DECODE_LOCAL if s > 0 else Route.VIA_PREFILL
-        return Decision(route, "score", s, local_p, prefill_p)
+        live = score(local_p, prefill_p, w_ttft, w_tpot)
+        if self.table is None:
+            return Decision(_route(live), "predicted", live, local_p, prefill_p)
+        key, nominal = self.cell_of(f)
+        cell = self._cells[key]
+        measured = score(cell.decode_local.prediction(), cell.via_prefill.prediction(), w_ttft, w_tpot)
+        s = measured
+        if self.online_correction:
+            s += live - score(*self.predictor.predict(nominal), w_ttft, w_tpot)
+        return Decision(_route(s), "table" if s == measured else "table_corrected", s,
+                        local_p, prefill_p, key, measured)
+
+    def cell_of(self, f: RequestFeatures) -> tuple[tuple[str, str, float], RequestFeatures]:
+        """The table cell of a request, and the features the cell was measured under."""
+        assert self.table is not None
+        grid = self.table.grid
+        context = grid.context_class(f.prompt_tokens)
+        workload = grid.workload_class(max(1, f.new_tokens), f.expected_output_tokens)
+        qps = grid.qps_level(f.qps)
+        cell = self._cells[(context.name, workload.name, qps)]
+        # The cell's conditions at x=1 (what a decode-local follow-up met): the representative
+        # context, fully cached but for the workload's new tokens, and the loads seen then.
+        seen = cell.decode_local.conditions
+        nominal = RequestFeatures(
+            decision_key=f.decision_key, turn=f.turn, prompt_tokens=context.representative_tokens,
+            cached_on_decode=max(0, context.representative_tokens - workload.input_tokens),
+            cached_on_prefill=max(0, context.representative_tokens - workload.input_tokens),
+            expected_output_tokens=workload.output_tokens, has_session_decode=True,
+            decode_load=WorkerLoad(decode_requests=round(seen.decode_batch),
+                                   decode_kv_tokens=round(seen.decode_kv_tokens)),
+            prefill_load=WorkerLoad(pending_prefill_tokens=round(cell.via_prefill.conditions.prefill_queue_tokens)),
+            qps=qps)
+        return (context.name, workload.name, qps), nominal
+
+
+def _route(s: float) -> Route:
+    return Route.DECODE_LOCAL if s > 0 else Route.VIA_PREFILL
 
 
 def _unit_hash(key: str) -> float:

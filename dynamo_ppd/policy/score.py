@@ -1,0 +1,18 @@
+"""The paper's score S (brief §2): how much better decode-local (x=1) serves the weighted goal
+than going through a prefill worker (x=0). Positive means decode-local."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    ttft_s: float
+    tpot_s: float
+
+
+def score(local: Prediction, via_prefill: Prediction, w_ttft: float, w_tpot: float) -> float:
+    """``S = w_ttft (TTFT_pd - TTFT_local)/TTFT_pd - w_tpot (TPOT_local - TPOT_pd)/TPOT_pd``."""
+    return (w_ttft * (via_prefill.ttft_s - local.ttft_s) / via_prefill.ttft_s
+            - w_tpot * (local.tpot_s - via_prefill.tpot_s) / via_prefill.tpot_s)

@@ -1,0 +1,131 @@
+"""The PPD policy inside the virtual-clock simulation: the same `Policy` the router runs, fed the
+same kind of features from the simulated cluster, and the cell measurements tables are built
+from (each cell run at x=0 and x=1)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..engine.profile import EngineProfile
+from ..sim import Cluster, Conversation, DecodeLocal, ViaPrefill, simulate
+from ..sim import RequestFeatures as SimFeatures
+from ..sim.cluster import ClusterView
+from ..sim.routing import least_loaded_decode, least_loaded_prefill, local_router, pd_router
+from ..sim.run import SimResult
+from ..sim.workload import synthetic_workload
+from .decision import Policy, RequestFeatures, Route, WorkerLoad
+from .qps import SlidingWindowRate
+from .table import Conditions, Measurement
+
+# A request not answered within this long counts as failed, at this TTFT (as the paper's 30 s).
+TIMEOUT_S = 30.0
+
+
+def prefill_queue_tokens(view: ClusterView, worker: str) -> int:
+    load = view.load(worker)
+    return load.waiting_prompt_tokens + load.prefill_tokens_remaining
+
+
+def worker_load(view: ClusterView, worker: str | None) -> WorkerLoad:
+    """A worker's load as the live router sees it: its own in-flight count and the worker's
+    reported decode batch, whichever is larger (see `dynamo_ppd.router.router`)."""
+    if worker is None:
+        return WorkerLoad()
+    load = view.load(worker)
+    decoding = load.decode_requests + load.awaiting_kv_requests
+    return WorkerLoad(inflight_requests=view.inflight(worker),
+                      pending_prefill_tokens=prefill_queue_tokens(view, worker),
+                      decode_requests=max(decoding, view.inflight(worker)),
+                      decode_kv_tokens=load.decode_kv_tokens + load.awaiting_kv_tokens)
+
+
+def features_from(f: SimFeatures, view: ClusterView, prefill: str | None, qps: float) -> RequestFeatures:
+    cached_p = view.cached_prefix_tokens(prefill, f.token_ids) if prefill else 0
+    return RequestFeatures(
+        decision_key=f"{f.conversation_id}:{f.turn}", turn=f.turn, prompt_tokens=f.prompt_tokens,
+        cached_on_decode=f.cached_on_decode, cached_on_prefill=cached_p, expected_output_tokens=f.max_tokens,
+        has_session_decode=f.decode_worker is not None, decode_load=worker_load(view, f.decode_worker),
+        prefill_load=worker_load(view, prefill), qps=qps)
+
+
+def policy_router(policy: Policy, window_s: float = 10.0):
+    """A simulation router that asks `policy`, with a sliding-window rate like the live router."""
+    rate = SlidingWindowRate(window_s)
+
+    def route(f: SimFeatures, view: ClusterView):
+        rate.record(f.now)
+        prefill = least_loaded_prefill(view) if view.prefill_workers else None
+        features = features_from(f, view, prefill, rate.rate(f.now))
+        history = f.prompt_tokens - f.new_tokens if f.decode_worker else 0
+        decision = policy.decide(features, history_tokens=history)
+        decode = f.decode_worker or least_loaded_decode(view)
+        if decision.route is Route.DECODE_LOCAL:
+            return DecodeLocal(decode)
+        assert prefill is not None
+        return ViaPrefill(prefill, decode)
+
+    return route
+
+
+@dataclass
+class _Recorder:
+    """Wraps a router to remember the conditions at each follow-up decision."""
+
+    router: Callable
+    samples: list[Conditions] = field(default_factory=list)
+
+    def __call__(self, f: SimFeatures, view: ClusterView):
+        route = self.router(f, view)
+        if f.turn > 1:
+            decode = route.decode
+            load = worker_load(view, decode)
+            prefill = route.prefill if isinstance(route, ViaPrefill) else least_loaded_prefill(view)
+            self.samples.append(Conditions(prefill_queue_tokens=prefill_queue_tokens(view, prefill),
+                                           decode_batch=load.decode_requests,
+                                           decode_kv_tokens=load.decode_kv_tokens))
+        return route
+
+
+def summarize(result: SimResult, duration_s: float, samples: list[Conditions]) -> Measurement:
+    """Follow-up TTFT (failures at the timeout), TPOT of all requests, reached rate, success."""
+    follow_ups = [r for r in result.records if r.turn > 1]
+    total = len(follow_ups) + result.unfinished
+    ttfts = [min(r.ttft_s, TIMEOUT_S) for r in follow_ups] + [TIMEOUT_S] * result.unfinished
+    ok = sum(1 for r in follow_ups if r.finished_s - r.arrival_s <= TIMEOUT_S)
+    tpots = [r.tpot_s for r in result.records if r.tpot_s is not None]
+    arrived = [r.arrival_s for r in result.records if r.arrival_s < duration_s]
+    def mean(values: list[float]) -> float:
+        return statistics.fmean(values) if values else 0.0
+
+    return Measurement(
+        follow_up_ttft_s=max(mean(ttfts), 1e-6), tpot_s=max(mean(tpots), 1e-6), requests=total,
+        achieved_rps=len(arrived) / duration_s, success_rate=ok / total if total else 1.0,
+        conditions=Conditions(prefill_queue_tokens=mean([c.prefill_queue_tokens for c in samples]),
+                              decode_batch=mean([c.decode_batch for c in samples]),
+                              decode_kv_tokens=mean([c.decode_kv_tokens for c in samples])))
+
+
+def cell_workload(context_tokens: int, input_tokens: int, output_tokens: int, qps: float,
+                  duration_s: float, seed: int, first_output_tokens: int = 128) -> list[Conversation]:
+    """Two-turn conversations whose second turn has ``context_tokens`` of context and the cell's
+    new input and output, arriving so that requests (both turns) come at ``qps``."""
+    first_input = max(1, context_tokens - first_output_tokens - input_tokens)
+    return synthetic_workload(qps / 2, duration_s, first_turn=(first_input, first_output_tokens),
+                              follow_up=(input_tokens, output_tokens), turns=2, seed=seed)
+
+
+def measure_cell(profile: EngineProfile, config: str, context_tokens: int, input_tokens: int,
+                 output_tokens: int, qps: float, duration_s: float, seed: int,
+                 link_bandwidth_bytes_s: float | None = None) -> tuple[Measurement, Measurement]:
+    """(x=0, x=1) measurements of one cell on a fresh simulated cluster each."""
+    out = []
+    for router in (pd_router, local_router):
+        conversations = cell_workload(context_tokens, input_tokens, output_tokens, qps, duration_s, seed)
+        recorder = _Recorder(router)
+        cluster = Cluster.from_config(profile, config, seed=seed,
+                                      link_bandwidth_bytes_s=link_bandwidth_bytes_s)
+        result = simulate(cluster, conversations, recorder, until_s=duration_s + TIMEOUT_S)
+        out.append(summarize(result, duration_s, recorder.samples))
+    return out[0], out[1]
