@@ -69,6 +69,9 @@ class RequestFeatures:
     decode_load: WorkerLoad
     prefill_load: WorkerLoad
     qps: float = 0.0  # request rate the router sees (sliding window)
+    # The least loaded decode worker's load: a turn sent through a prefill worker can move there
+    # (see `rehome_target`), so its via-prefill TPOT is that worker's, not the session's.
+    best_decode_load: WorkerLoad | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -85,6 +88,38 @@ class Decision:
     via_prefill: Prediction | None = None
     cell: tuple[str, str, float] | None = None  # the table cell used, if any
     table_score: float | None = None  # the cell's measured score (before the online correction)
+    raw: Prediction | None = None  # the chosen route's prediction before calibration
+
+
+def moves_to_best(session: WorkerLoad, best: WorkerLoad) -> bool:
+    """A turn going through a prefill worker moves from its decode worker to the least loaded one
+    when the session's is clearly hotter: it gets its KV by transfer anyway, and one hot worker
+    should not keep every conversation that ever landed on it."""
+    return session.decode_requests > best.decode_requests + max(8, best.decode_requests // 2)
+
+
+class Calibration:
+    """Online correction from outcomes: per route, an exponentially weighted ratio of observed to
+    predicted TTFT and TPOT, applied to later predictions. It catches what no signal names: a
+    slower link, other hardware, a workload the profile did not foresee."""
+
+    def __init__(self, alpha: float = 0.1, floor: float = 0.25, cap: float = 4.0):
+        self.alpha, self.floor, self.cap = alpha, floor, cap
+        self.ratios = {route: [1.0, 1.0] for route in (Route.DECODE_LOCAL, Route.VIA_PREFILL)}
+
+    def observe(self, route: Route, predicted: Prediction, ttft_s: float, tpot_s: float | None) -> None:
+        if route not in self.ratios or predicted.ttft_s <= 0:
+            return
+        ratios = self.ratios[route]
+        observed = (ttft_s / predicted.ttft_s, (tpot_s / predicted.tpot_s) if tpot_s else None)
+        for i, value in enumerate(observed):
+            if value is not None:
+                value = min(self.cap, max(self.floor, value))
+                ratios[i] += self.alpha * (value - ratios[i])
+
+    def apply(self, route: Route, p: Prediction) -> Prediction:
+        ttft, tpot = self.ratios[route]
+        return Prediction(p.ttft_s * ttft, p.tpot_s * tpot)
 
 
 class RoutePredictor(Protocol):
@@ -100,8 +135,9 @@ class ProfilePredictor:
       tokens already queued on it; the whole prompt's KV crosses the link; the decode worker then
       decodes at its current batch.
     - decode-local: the decode worker computes the tokens it does not hold inside its current
-      batch (one iteration with that chunk); its TPOT pays that iteration's extra time spread over
-      the request's output tokens.
+      batch (one iteration with that chunk), after the prompt tokens already queued on it; its TPOT
+      pays that iteration's extra time spread over the request's output tokens.
+    - A via-prefill turn may move to the least loaded decode worker (`moves_to_best`).
     """
 
     def __init__(self, profile: EngineProfile):
@@ -114,22 +150,32 @@ class ProfilePredictor:
         return self.cost.iteration(load.decode_requests + 1, load.decode_kv_tokens + prompt_tokens).total_s
 
     def predict(self, f: RequestFeatures) -> tuple[Prediction, Prediction]:
-        decode_step = self._decode_step_s(f.decode_load, f.prompt_tokens)
-        pending = f.prefill_load.pending_prefill_tokens
-        queued = self.cost.iteration(0, 0, [PrefillChunk(pending, 0, True)]).total_s if pending else 0.0
+        target = f.decode_load
+        if f.best_decode_load is not None and moves_to_best(f.decode_load, f.best_decode_load):
+            target = f.best_decode_load
+        decode_step = self._decode_step_s(target, f.prompt_tokens)
+        queued = self._queue_s(f.prefill_load)
         uncached_p = max(1, f.prompt_tokens - f.cached_on_prefill)
         prefill_s = self.cost.iteration(0, 0, [PrefillChunk(uncached_p, f.cached_on_prefill, True)]).total_s
         transfer_s = self.transfer_setup_s + f.prompt_tokens * self.kv_bytes_per_token / self.link_bandwidth
         via_prefill = Prediction(ttft_s=queued + prefill_s + transfer_s + decode_step / 2, tpot_s=decode_step)
 
         load = f.decode_load
+        decode_step = self._decode_step_s(load, f.prompt_tokens)
         append = self.cost.iteration(load.decode_requests, load.decode_kv_tokens,
                                      [PrefillChunk(max(1, f.new_tokens), f.cached_on_decode, True)]).total_s
         extra = max(0.0, append - self.cost.iteration(load.decode_requests, load.decode_kv_tokens).total_s)
         outputs = max(1, f.expected_output_tokens)
-        # Arriving mid-iteration, the append waits half a decode step on average.
-        local = Prediction(ttft_s=decode_step / 2 + append, tpot_s=decode_step + extra / outputs)
+        # Arriving mid-iteration, the append waits half a decode step on average, then whatever
+        # prompt tokens are queued on the decode worker before it.
+        local = Prediction(ttft_s=decode_step / 2 + self._queue_s(load) + append,
+                           tpot_s=decode_step + extra / outputs)
         return local, via_prefill
+
+    def _queue_s(self, load: WorkerLoad) -> float:
+        """Time to prefill the prompt tokens queued on a worker ahead of a new request."""
+        pending = load.pending_prefill_tokens
+        return self.cost.iteration(0, 0, [PrefillChunk(pending, 0, True)]).total_s if pending else 0.0
 
 
 @dataclass(frozen=True)
@@ -154,6 +200,7 @@ class Policy:
         self.predictor = predictor
         self.table = table
         self.online_correction = online_correction
+        self.calibration = Calibration()
         self._cells = table.index() if table else {}
         self._weights = Weights(config.w_ttft, config.w_tpot)
 
@@ -176,18 +223,34 @@ class Policy:
             return Decision(Route.DECODE_LOCAL if local else Route.VIA_PREFILL, "fraction_mode")
         assert self.predictor is not None
         w_ttft, w_tpot = self.config.w_ttft, self.config.w_tpot
-        local_p, prefill_p = self.predictor.predict(f)
+        raw_local, raw_prefill = self.predictor.predict(f)
+        local_p, prefill_p = raw_local, raw_prefill
+        if self.online_correction:
+            local_p = self.calibration.apply(Route.DECODE_LOCAL, raw_local)
+            prefill_p = self.calibration.apply(Route.VIA_PREFILL, raw_prefill)
         live = score(local_p, prefill_p, w_ttft, w_tpot)
         if self.table is None:
-            return Decision(_route(live), "predicted", live, local_p, prefill_p)
+            route = _route(live)
+            return Decision(route, "predicted", live, local_p, prefill_p,
+                            raw=raw_local if route is Route.DECODE_LOCAL else raw_prefill)
         key, nominal = self.cell_of(f)
         cell = self._cells[key]
         measured = score(cell.decode_local.prediction(), cell.via_prefill.prediction(), w_ttft, w_tpot)
         s = measured
         if self.online_correction:
+            # How far this request's conditions move the score from the cell's (the nominal ones
+            # are predicted without calibration: the table measured them as they were).
             s += live - score(*self.predictor.predict(nominal), w_ttft, w_tpot)
-        return Decision(_route(s), "table" if s == measured else "table_corrected", s,
-                        local_p, prefill_p, key, measured)
+        route = _route(s)
+        raw = raw_local if route is Route.DECODE_LOCAL else raw_prefill
+        return Decision(route, "table_corrected" if self.online_correction else "table", s, local_p,
+                        prefill_p, key, measured, raw=raw)
+
+    def observe(self, decision: Decision, ttft_s: float, tpot_s: float | None) -> None:
+        """Learn from a finished request routed by ``decision`` (its uncalibrated prediction)."""
+        if not self.online_correction or self.predictor is None or decision.raw is None:
+            return
+        self.calibration.observe(decision.route, decision.raw, ttft_s, tpot_s)
 
     def cell_of(self, f: RequestFeatures) -> tuple[tuple[str, str, float], RequestFeatures]:
         """The table cell of a request, and the features the cell was measured under."""

@@ -4,6 +4,7 @@ from (each cell run at x=0 and x=1)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from ..sim.cluster import ClusterView
 from ..sim.routing import least_loaded_decode, least_loaded_prefill, local_router, pd_router
 from ..sim.run import SimResult
 from ..sim.workload import synthetic_workload
-from .decision import Policy, RequestFeatures, Route, WorkerLoad
+from .decision import Decision, Policy, RequestFeatures, Route, WorkerLoad, moves_to_best
 from .qps import SlidingWindowRate
 from .table import Conditions, Measurement
 
@@ -50,23 +51,41 @@ def features_from(f: SimFeatures, view: ClusterView, prefill: str | None, qps: f
         prefill_load=worker_load(view, prefill), qps=qps)
 
 
-def policy_router(policy: Policy, window_s: float = 10.0):
-    """A simulation router that asks `policy`, with a sliding-window rate like the live router."""
-    rate = SlidingWindowRate(window_s)
+class PolicyRouter:
+    """A simulation router that asks `policy`, as the live router does: a sliding-window rate, the
+    same load signals, a hot decode worker left for a cooler one on via-prefill turns, and each
+    finished turn's TTFT and TPOT fed back to the policy (pass `on_finish` to `simulate`)."""
 
-    def route(f: SimFeatures, view: ClusterView):
-        rate.record(f.now)
+    def __init__(self, policy: Policy, window_s: float = 10.0):
+        self.policy = policy
+        self.rate = SlidingWindowRate(window_s)
+        self._pending: dict[tuple[str, int], Decision] = {}
+
+    def __call__(self, f: SimFeatures, view: ClusterView):
+        self.rate.record(f.now)
         prefill = least_loaded_prefill(view) if view.prefill_workers else None
-        features = features_from(f, view, prefill, rate.rate(f.now))
+        best = least_loaded_decode(view)
+        features = dataclasses.replace(features_from(f, view, prefill, self.rate.rate(f.now)),
+                                       best_decode_load=worker_load(view, best))
         history = f.prompt_tokens - f.new_tokens if f.decode_worker else 0
-        decision = policy.decide(features, history_tokens=history)
-        decode = f.decode_worker or least_loaded_decode(view)
+        decision = self.policy.decide(features, history_tokens=history)
+        self._pending[(f.conversation_id, f.turn)] = decision
+        decode = f.decode_worker or best
         if decision.route is Route.DECODE_LOCAL:
             return DecodeLocal(decode)
         assert prefill is not None
+        if features.best_decode_load and moves_to_best(features.decode_load, features.best_decode_load):
+            decode = best
         return ViaPrefill(prefill, decode)
 
-    return route
+    def on_finish(self, record) -> None:
+        decision = self._pending.pop((record.conversation_id, record.turn), None)
+        if decision is not None and record.turn > 1:
+            self.policy.observe(decision, record.ttft_s, record.tpot_s)
+
+
+def policy_router(policy: Policy, window_s: float = 10.0) -> PolicyRouter:
+    return PolicyRouter(policy, window_s)
 
 
 @dataclass

@@ -260,10 +260,10 @@ class Cluster:
             if isinstance(event, KvRemoved):
                 worker.evicted_blocks += len(event.block_hashes)
         for out in outputs:
-            if not out.finished:
-                continue
+            request = self._requests.get(out.request_id)
+            if not out.finished or request is None:  # None: submitted to the engine directly
+                continue  # (background load in experiments), not routed through the cluster
             worker.inflight -= 1
-            request = self._requests[out.request_id]
             if worker.role is Role.PREFILL:
                 self._hand_off(worker, request, out)
             else:

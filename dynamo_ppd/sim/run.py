@@ -13,6 +13,7 @@ import argparse
 import functools
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,9 +113,11 @@ class _Conversation:
 
 
 class _Driver:
-    def __init__(self, cluster: Cluster, router: Router):
+    def __init__(self, cluster: Cluster, router: Router,
+                 on_finish: Callable[[RequestRecord], None] | None = None):
         self.cluster = cluster
         self.router = router
+        self.on_finish = on_finish
         self.records: list[RequestRecord] = []
 
     def start_turn(self, conv: _Conversation) -> None:
@@ -150,6 +153,8 @@ class _Driver:
             ttft_s=serving.first_token_at - request.arrival_s,
             tpot_s=(serving.finished_at - serving.first_token_at) / (outputs - 1) if outputs > 1 else None,
             output_tokens=outputs, transfer_bytes=request.transfer_bytes, transfer_s=request.transfer_s))
+        if self.on_finish:
+            self.on_finish(self.records[-1])
         conv.prompts.record_output(serving.output)
         turns = conv.conversation.turns
         if conv.next_turn < len(turns):
@@ -157,11 +162,13 @@ class _Driver:
 
 
 def simulate(cluster: Cluster, conversations: list[Conversation], router: Router,
-             until_s: float | None = None) -> SimResult:
+             until_s: float | None = None,
+             on_finish: Callable[[RequestRecord], None] | None = None) -> SimResult:
     """Run ``conversations`` on ``cluster`` (fresh: its clock at 0) with ``router`` until every
     turn is done, or until the virtual clock passes ``until_s``. Deterministic for a given
-    cluster seed and workload; only ``wall_s`` depends on the machine."""
-    driver = _Driver(cluster, router)
+    cluster seed and workload; only ``wall_s`` depends on the machine. ``on_finish`` sees each
+    finished turn's record (a router that learns from outcomes, as the live one does)."""
+    driver = _Driver(cluster, router, on_finish)
     for conversation in sorted(conversations, key=lambda c: (c.arrival_s, c.conversation_id)):
         if conversation.turns:
             cluster.call_at(conversation.arrival_s, driver.start_turn, _Conversation(conversation))
