@@ -41,3 +41,7 @@ interference *args:
 # Simulate a multi-turn workload on a virtual-clock cluster (see `dynamo-ppd sim run --help`).
 sim *args:
     uv run dynamo-ppd sim run {{args}}
+
+# Rebuild the PPD tables shipped for the default profile (1P3D, 2P2D, 3P1D) on the simulation.
+tables:
+    for config in 1p3d 2p2d 3p1d; do uv run dynamo-ppd table build --config $config --out dynamo_ppd/policy/tables/h100-llama3.1-8b-$config.json || exit 1; done

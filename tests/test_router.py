@@ -47,8 +47,9 @@ components:
 
 
 def deploy(tmp_path: Path, model_dir: Path, *, mode: str = "ppd", decode: int = 3, routers: int = 1,
-           decode_args: tuple[str, ...] = (), sessions_etcd: str | None = None):
-    router_args = ["--mode", mode, "--etcd-url", sessions_etcd or "{etcd_url}"]
+           decode_args: tuple[str, ...] = (), sessions_etcd: str | None = None,
+           router_args: tuple[str, ...] = ()):
+    router_args = ("--mode", mode, "--etcd-url", sessions_etcd or "{etcd_url}", *router_args)
     text = (GRAPH.replace("ROUTER_ARGS", ", ".join(json.dumps(a) for a in router_args))
             .replace(" DECODE_ARGS", "".join(f", {json.dumps(a)}" for a in decode_args)))
     graph = tmp_path / "graph.yaml"
@@ -293,3 +294,40 @@ def test_etcd_outage_routing_continues_and_sessions_resync(model_dir, tmp_path):
     finally:
         dep.stop()
         stop_all([etcd])
+
+
+def test_live_table_build_drives_the_router_forced_routes(model_dir, tmp_path):
+    from dynamo_ppd.policy.grid import ContextClass, GridSpec, WorkloadClass
+    from dynamo_ppd.policy.live import build_live_table
+    from dynamo_ppd.policy.table import Weights, validate
+
+    dep = deploy(tmp_path, model_dir, mode="ppd", decode=2, router_args=("--allow-forced-route",))
+    try:
+        grid = GridSpec(context_classes=[ContextClass("large", None, 1024)],
+                        workload_classes=[WorkloadClass("in64-out16", 64, 16)], qps_levels=[4.0])
+        table = build_live_table(dep.base_url, "1P2D", Weights(), grid=grid, seconds_per_cell=3,
+                                 progress=False)
+        validate(table)
+        [cell] = table.cells
+        for m in (cell.via_prefill, cell.decode_local):
+            assert m.requests > 0 and m.success_rate == 1.0 and m.follow_up_ttft_s < 1.0
+        forced = {k: v for k, v in metrics(dep).items()
+                  if k.startswith("ppd_decisions_total") and 'reason="forced"' in k}
+        for route, m in (("decode_local", cell.decode_local), ("via_prefill", cell.via_prefill)):
+            assert sum(v for k, v in forced.items() if f'route="{route}"' in k) == m.requests / 2
+    finally:
+        dep.stop()
+
+
+def test_forced_route_is_ignored_without_the_flag(ppd):
+    before = decisions(ppd, "via_prefill", "follow_up")
+    messages = [{"role": "user", "content": "A story about forced routes. " * 20}]
+    first = chat(ppd, messages, "no-forcing")
+    messages += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "more"}]
+    time.sleep(0.3)
+    body = {"model": ppd.model_name, "messages": messages, "max_tokens": 4,
+            "nvext": {"annotations": ["x-ppd-route:via_prefill"]}}
+    response = httpx.post(f"{ppd.base_url}/v1/chat/completions", json=body,
+                          headers={"x-dynamo-session-id": "no-forcing"}, timeout=30)
+    assert response.status_code == 200
+    assert decisions(ppd, "via_prefill", "follow_up") == before  # the router decided, not the client

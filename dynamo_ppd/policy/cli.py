@@ -187,7 +187,7 @@ def _build(args) -> int:
         from .live import build_live_table
 
         table = build_live_table(args.url, args.config, args.weights,
-                                 seconds_per_cell=args.seconds_per_cell, seed=args.seed)
+                                 seconds_per_cell=args.seconds_per_cell, seed=args.seed, profile=args.profile)
     else:
         from .build import build_sim_table
 

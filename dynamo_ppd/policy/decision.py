@@ -246,6 +246,11 @@ class Policy:
         return Decision(route, "table_corrected" if self.online_correction else "table", s, local_p,
                         prefill_p, key, measured, raw=raw)
 
+    def set_table(self, table: PpdTable | None) -> None:
+        """Use another table (the router switches when the live P:D configuration changes)."""
+        self.table = table
+        self._cells = table.index() if table else {}
+
     def observe(self, decision: Decision, ttft_s: float, tpot_s: float | None) -> None:
         """Learn from a finished request routed by ``decision`` (its uncalibrated prediction)."""
         if not self.online_correction or self.predictor is None or decision.raw is None:

@@ -17,7 +17,9 @@ class RouterConfig:
     local_fraction: float
     w_ttft: float
     w_tpot: float
-    table: Path | None
+    table: str  # "auto", "none" or a path
+    online_correction: bool
+    allow_forced_route: bool
     profile: str
     namespace: str
     workers_namespace: str
@@ -68,7 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of follow-ups kept decode-local in fraction mode")
     p.add_argument("--weights", type=_weights, default=(1.0, 1.0),
                    help="W_TTFT,W_TPOT of the ppd score (presets: 1,1 balanced; 2,1; 1,2)")
-    p.add_argument("--table", type=Path, help="PPD decision table (lands with the policy issue)")
+    p.add_argument("--table", default="auto",
+                   help="ppd mode: a table JSON path; 'auto' = the table shipped for the profile and "
+                   "the live P:D count (cold start from --profile predictions when none matches); "
+                   "'none' = always cold start")
+    p.add_argument("--allow-forced-route", action="store_true",
+                   help="obey a request annotation x-ppd-route:via_prefill|decode_local on follow-ups "
+                   "(for `dynamo-ppd table build --backend live`; never in production)")
+    p.add_argument("--online-correction", action=argparse.BooleanOptionalAction, default=True,
+                   help="ppd mode: correct table decisions with live signals and observed outcomes")
     p.add_argument("--profile", default=DEFAULT_PROFILE,
                    help="engine profile for ppd predictions (name or YAML path)")
     p.add_argument("--namespace", default="ppd",
@@ -101,14 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser = build_parser()
     a = parser.parse_args(argv)
-    if a.table is not None and not a.table.is_file():
-        parser.error(f"--table {a.table}: no such file")
-    if a.table is not None:
-        parser.error("--table: decision tables arrive with the policy issue; use --mode ppd without "
-                     "a table (predictions from --profile) for now")
+    if a.table not in ("auto", "none"):
+        from ..policy.table import TableError, load_table
+
+        try:
+            load_table(a.table)
+        except TableError as exc:
+            parser.error(f"--table: {exc}")
     return RouterConfig(
         mode=Mode(a.mode), local_fraction=a.local_fraction, w_ttft=a.weights[0], w_tpot=a.weights[1],
-        table=a.table, profile=a.profile, namespace=a.namespace, workers_namespace=a.workers_namespace,
+        table=a.table, online_correction=a.online_correction, allow_forced_route=a.allow_forced_route,
+        profile=a.profile, namespace=a.namespace,
+        workers_namespace=a.workers_namespace,
         prefill_component=a.prefill_component, decode_component=a.decode_component,
         replica_component=a.replica_component, model_path=a.model_path,
         served_model_name=a.served_model_name, block_size=a.block_size,

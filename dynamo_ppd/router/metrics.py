@@ -25,6 +25,9 @@ class RouterMetrics:
             registry=self.registry)
         self.rehomes = Counter("ppd_rehomes", "Turns moved to another decode worker (theirs was gone)",
                                registry=self.registry)
+        self.session_moves = Counter(
+            "ppd_session_moves", "Via-prefill turns moved off a hot decode worker to a cooler one",
+            registry=self.registry)
         self.etcd_up = Gauge("ppd_etcd_up", "1 while etcd answers", registry=self.registry)
         self.nats_up = Gauge("ppd_nats_up", "1 while the KV event subscription is connected",
                              registry=self.registry)

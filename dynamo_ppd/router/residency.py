@@ -23,9 +23,11 @@ log = logging.getLogger("dynamo_ppd.router.residency")
 _ROOT = 0
 
 
-def kv_events_subject(namespace: str, component: str, endpoint: str = "generate") -> str:
-    """The NATS subject Dynamo publishes a component's KV events on (brief §4)."""
-    return f"namespace.{namespace}.component.{component}.endpoint.{endpoint}.kv-events"
+def kv_events_subject(namespace: str, component: str, endpoint: str = "generate",
+                      topic: str = "kv-events") -> str:
+    """The NATS subject Dynamo publishes a component's KV events on (brief §4); with
+    ``topic="forward-pass-metrics"``, its load reports."""
+    return f"namespace.{namespace}.component.{component}.endpoint.{endpoint}.{topic}"
 
 
 def prefix_chain(local_hashes: list[int]) -> list[int]:

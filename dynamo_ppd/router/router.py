@@ -10,6 +10,7 @@ turn through a P to another D; a gone P makes the turn decode-local when D holds
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -18,9 +19,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
 from ..engine.kv_cache import chain_hash, chained_block_hashes
-from ..policy.decision import Decision, Policy, RequestFeatures, Route, WorkerLoad
+from ..engine.profile import load_profile
+from ..policy.decision import Decision, Policy, RequestFeatures, Route, WorkerLoad, moves_to_best
+from ..policy.qps import SlidingWindowRate
+from ..policy.table import bundled_table, load_table
 from . import dispatch
 from .args import RouterConfig
 from .metrics import RouterMetrics, debug_line
@@ -30,6 +36,7 @@ from .sessions import EtcdSessions, SessionRecord
 log = logging.getLogger("dynamo_ppd.router")
 
 MAX_ATTEMPTS = 3  # first try plus re-homes when a worker fails before its first token
+FORCED_ROUTE = "x-ppd-route:"  # annotation prefix obeyed only with --allow-forced-route
 
 
 class NoWorkers(Exception):
@@ -44,13 +51,21 @@ class _Loads:
         self.prefill_tokens: dict[int, int] = defaultdict(int)
         self.context_tokens: dict[int, int] = defaultdict(int)
 
-    def of(self, worker: int | None) -> WorkerLoad:
+    def of(self, worker: int | None, report: dict | None = None) -> WorkerLoad:
+        """This router's own count, or what the worker last reported in its forward-pass metrics
+        (which include other routers' traffic), whichever is larger."""
         if worker is None:
             return WorkerLoad()
+        reported_decode = reported_kv = reported_prefill = 0
+        if report:
+            scheduled, queued = report.get("scheduled_requests", {}), report.get("queued_requests", {})
+            reported_decode = scheduled.get("num_decode_requests", 0) + queued.get("num_decode_requests", 0)
+            reported_kv = scheduled.get("sum_decode_kv_tokens", 0) + queued.get("sum_decode_kv_tokens", 0)
+            reported_prefill = scheduled.get("sum_prefill_tokens", 0) + queued.get("sum_prefill_tokens", 0)
         return WorkerLoad(inflight_requests=self.inflight[worker],
-                          pending_prefill_tokens=self.prefill_tokens[worker],
-                          decode_requests=self.inflight[worker],
-                          decode_kv_tokens=self.context_tokens[worker])
+                          pending_prefill_tokens=max(self.prefill_tokens[worker], reported_prefill),
+                          decode_requests=max(self.inflight[worker], reported_decode),
+                          decode_kv_tokens=max(self.context_tokens[worker], reported_kv))
 
 
 class PpdRouter:
@@ -63,8 +78,11 @@ class PpdRouter:
         self.sessions = EtcdSessions(config.etcd_url, config.session_prefix, config.session_ttl_s,
                                      on_health=lambda up: metrics.etcd_up.set(1 if up else 0))
         self.loads = _Loads()
+        self.reports: dict[int, dict] = {}  # latest forward-pass metrics per worker
+        self.rate = SlidingWindowRate(window_s=10.0)
         self.clients: dict[str, Any] = {}
         self._nats: Any = None
+        self._table_config: str | None = None
 
     async def start(self) -> None:
         import nats
@@ -90,11 +108,20 @@ class PpdRouter:
         async def nats_up() -> None:
             self.metrics.nats_up.set(1)
 
+        async def on_load_report(msg) -> None:
+            try:
+                report = msgspec.msgpack.decode(msgspec.msgpack.decode(msg.data)["payload"])
+                self.reports[int(report["worker_id"])] = report
+            except Exception:  # noqa: BLE001 (a malformed report only costs freshness)
+                log.debug("ignoring a malformed forward-pass-metrics message")
+
         self._nats = await nats.connect(cfg.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=1,
                                         disconnected_cb=nats_down, reconnected_cb=nats_up)
         self.metrics.nats_up.set(1)
         for component in components.values():
             await self._nats.subscribe(kv_events_subject(ns, component), cb=on_kv_event)
+            await self._nats.subscribe(kv_events_subject(ns, component, topic="forward-pass-metrics"),
+                                       cb=on_load_report)
         await self.sessions.start()
 
     async def stop(self) -> None:
@@ -110,18 +137,34 @@ class PpdRouter:
         if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
             self.metrics.errors.labels("bad_request").inc()
             raise InvalidArgument("the request has no prompt token ids")
-        # A client cannot choose its route: drop a bypass annotation it sent (as Dynamo does).
-        request["annotations"] = [a for a in request.get("annotations") or []
-                                  if a != BYPASS_REMOTE_PREFILL_ANNOTATION]
+        # A client cannot choose its route: drop a bypass annotation it sent (as Dynamo does), and
+        # a forced route unless this router is a table-building one (--allow-forced-route).
+        annotations = request.get("annotations") or []
+        forced = next((a[len(FORCED_ROUTE):] for a in annotations if a.startswith(FORCED_ROUTE)), None)
+        request["annotations"] = [a for a in annotations
+                                  if a != BYPASS_REMOTE_PREFILL_ANNOTATION and not a.startswith(FORCED_ROUTE)]
+        if forced not in (None, Route.DECODE_LOCAL.value, Route.VIA_PREFILL.value):
+            raise InvalidArgument(f"{FORCED_ROUTE}{forced}: the route must be decode_local or via_prefill")
+        request["_forced_route"] = forced if self.config.allow_forced_route else None
+        started = time.monotonic()
+        self.rate.record(started)
         try:
             plan = await self._plan(request, tokens)
         except NoWorkers as exc:
             self.metrics.errors.labels("no_workers").inc()
             raise HttpError(503, str(exc)) from None
         output: list[int] = []
+        first_at = last_at = None
         async for chunk in self._run(plan, request, context):
-            output.extend(chunk.get("token_ids") or [])
+            new = chunk.get("token_ids") or []
+            if new:
+                last_at = time.monotonic()
+                first_at = first_at or last_at
+            output.extend(new)
             yield chunk
+        if plan.turn > 1 and first_at is not None and last_at is not None:
+            tpot = (last_at - first_at) / (len(output) - 1) if len(output) > 1 else None
+            self.policy.observe(plan.decision, first_at - started, tpot)  # online calibration
         await self._record_turn(plan, tokens, output)
 
     async def _plan(self, request: dict, tokens: list[int]) -> _Plan:
@@ -151,9 +194,15 @@ class PpdRouter:
         rehome = record is not None and record.decode_worker is not None and session_decode is None
         cached_d = self.residency.held_blocks(session_decode, residency_chain) * cfg.block_size
         plan.prefill, cached_p = self._pick_prefill(residency_chain, len(tokens))
+        self._select_table(len(self.clients["prefill"].instance_ids()), len(decode_ids))
+        best = self._pick_decode(decode_ids)
         features = self._features(plan, request, session_decode, cached_d, plan.prefill, cached_p)
+        features = dataclasses.replace(features, best_decode_load=self.loads.of(best, self.reports.get(best)))
         history = record.context_tokens if record and session_decode is not None else 0
         decision = self.policy.decide(features, history_tokens=history)
+        forced = request.pop("_forced_route", None)
+        if forced and session_decode is not None and turn > 1:
+            decision = Decision(Route(forced), "forced")
         if decision.route is Route.VIA_PREFILL and plan.prefill is None:
             if session_decode is None or cached_d == 0:
                 raise NoWorkers("no prefill worker is available and no decode worker holds this "
@@ -164,7 +213,11 @@ class PpdRouter:
         if rehome:
             self.metrics.rehomes.inc()
         plan.decision = decision
-        plan.decode = session_decode if session_decode is not None else self._pick_decode(decode_ids)
+        plan.decode = session_decode if session_decode is not None else best
+        if (decision.route is Route.VIA_PREFILL and session_decode is not None and features.best_decode_load
+                and moves_to_best(features.decode_load, features.best_decode_load)):
+            plan.decode = best  # its KV comes by transfer anyway: leave the hot decode worker
+            self.metrics.session_moves.inc()
         self._decided(plan, started)
         if record is None:
             # A new session: claim it in etcd (another router replica may be placing it right now)
@@ -192,8 +245,29 @@ class PpdRouter:
             decision_key=f"{plan.session_id}:{plan.turn}", turn=plan.turn, prompt_tokens=plan.prompt_tokens,
             cached_on_decode=cached_d, cached_on_prefill=cached_p,
             expected_output_tokens=stop.get("max_tokens") or self.config.default_max_tokens,
-            has_session_decode=decode is not None, decode_load=self.loads.of(decode),
-            prefill_load=self.loads.of(prefill))
+            has_session_decode=decode is not None,
+            decode_load=self.loads.of(decode, self.reports.get(decode) if decode is not None else None),
+            prefill_load=self.loads.of(prefill, self.reports.get(prefill) if prefill is not None else None),
+            qps=self.rate.rate(time.monotonic()))
+
+    def _select_table(self, prefill_workers: int, decode_workers: int) -> None:
+        """``--table auto``: the table shipped for the profile and the live P:D configuration
+        (none: cold-start predictions), switched when workers come or go."""
+        if self.config.table != "auto" or self.policy.predictor is None:
+            return
+        config = f"{prefill_workers}P{decode_workers}D"
+        if config == self._table_config:
+            return
+        self._table_config = config
+        path = bundled_table(config)
+        table = None
+        if path.is_file():
+            table = load_table(path)
+            if table.profile != load_profile(self.config.profile).name:
+                table = None
+        self.policy.set_table(table)
+        log.info("P:D configuration %s: %s", config, f"table {path.name}" if table else
+                 "no shipped table, deciding from the engine profile's predictions")
 
     def _pick_prefill(self, chain: list[int], prompt_tokens: int) -> tuple[int | None, int]:
         """The prefill worker with the least work for this prompt: tokens it does not hold plus the

@@ -9,6 +9,7 @@ import signal
 from .. import model as model_dir
 from ..engine.profile import load_profile
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
+from ..policy.table import load_table
 from .args import RouterConfig, parse_args
 from .metrics import RouterMetrics
 from .router import PpdRouter
@@ -17,10 +18,13 @@ log = logging.getLogger("dynamo_ppd.router")
 
 
 def build_policy(config: RouterConfig) -> Policy:
+    """The router's policy; with ``--table PATH`` its table (``auto`` picks one per decision)."""
     predictor = ProfilePredictor(load_profile(config.profile)) if config.mode is Mode.PPD else None
+    table = load_table(config.table) if config.table not in ("auto", "none") else None
     return Policy(PolicyConfig(mode=config.mode, local_fraction=config.local_fraction,
                                w_ttft=config.w_ttft, w_tpot=config.w_tpot,
-                               min_resident_fraction=config.min_resident_fraction), predictor)
+                               min_resident_fraction=config.min_resident_fraction), predictor, table,
+                  online_correction=config.online_correction)
 
 
 async def serve(config: RouterConfig) -> None:
