@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -201,7 +202,7 @@ class Policy:
         self.table = table
         self.online_correction = online_correction
         self.calibration = Calibration()
-        self._cells = table.index() if table else {}
+        self.set_table(table)
         self._weights = Weights(config.w_ttft, config.w_tpot)
 
     def decide(self, f: RequestFeatures, history_tokens: int) -> Decision:
@@ -233,14 +234,13 @@ class Policy:
             route = _route(live)
             return Decision(route, "predicted", live, local_p, prefill_p,
                             raw=raw_local if route is Route.DECODE_LOCAL else raw_prefill)
-        key, nominal = self.cell_of(f)
-        cell = self._cells[key]
-        measured = score(cell.decode_local.prediction(), cell.via_prefill.prediction(), w_ttft, w_tpot)
+        key = self.cell_key(f)
+        measured, nominal_score = self._cell_scores(key)
         s = measured
         if self.online_correction:
             # How far this request's conditions move the score from the cell's (the nominal ones
             # are predicted without calibration: the table measured them as they were).
-            s += live - score(*self.predictor.predict(nominal), w_ttft, w_tpot)
+            s += live - nominal_score
         route = _route(s)
         raw = raw_local if route is Route.DECODE_LOCAL else raw_prefill
         return Decision(route, "table_corrected" if self.online_correction else "table", s, local_p,
@@ -250,6 +250,29 @@ class Policy:
         """Use another table (the router switches when the live P:D configuration changes)."""
         self.table = table
         self._cells = table.index() if table else {}
+        # Per cell, fixed for given weights: (measured score, predicted score of its conditions).
+        self._cell_score_cache: dict[tuple[str, str, float], tuple[float, float]] = {}
+        self._workload_points = ([(w.name, math.log(w.input_tokens), math.log(w.output_tokens))
+                                  for w in table.grid.workload_classes] if table else [])
+
+    def _cell_scores(self, key: tuple[str, str, float]) -> tuple[float, float]:
+        cached = self._cell_score_cache.get(key)
+        if cached is None:
+            assert self.predictor is not None
+            w_ttft, w_tpot = self.config.w_ttft, self.config.w_tpot
+            cell = self._cells[key]
+            measured = score(cell.decode_local.prediction(), cell.via_prefill.prediction(), w_ttft, w_tpot)
+            cached = (measured, score(*self.predictor.predict(self.nominal(key)), w_ttft, w_tpot))
+            self._cell_score_cache[key] = cached
+        return cached
+
+    def cell_key(self, f: RequestFeatures) -> tuple[str, str, float]:
+        """The table cell of a request: context class, nearest workload class, QPS level."""
+        assert self.table is not None
+        grid = self.table.grid
+        x, y = math.log(max(1, f.new_tokens)), math.log(max(1, f.expected_output_tokens))
+        workload = min(self._workload_points, key=lambda p: (p[1] - x) ** 2 + (p[2] - y) ** 2)[0]
+        return grid.context_class(f.prompt_tokens).name, workload, grid.qps_level(f.qps)
 
     def observe(self, decision: Decision, ttft_s: float, tpot_s: float | None) -> None:
         """Learn from a finished request routed by ``decision`` (its uncalibrated prediction)."""
@@ -259,25 +282,27 @@ class Policy:
 
     def cell_of(self, f: RequestFeatures) -> tuple[tuple[str, str, float], RequestFeatures]:
         """The table cell of a request, and the features the cell was measured under."""
+        key = self.cell_key(f)
+        return key, self.nominal(key)
+
+    def nominal(self, key: tuple[str, str, float]) -> RequestFeatures:
+        """A cell's conditions at x=1 (what a decode-local follow-up met there): the representative
+        context, cached but for the workload's new tokens, and the loads seen then."""
         assert self.table is not None
         grid = self.table.grid
-        context = grid.context_class(f.prompt_tokens)
-        workload = grid.workload_class(max(1, f.new_tokens), f.expected_output_tokens)
-        qps = grid.qps_level(f.qps)
-        cell = self._cells[(context.name, workload.name, qps)]
-        # The cell's conditions at x=1 (what a decode-local follow-up met): the representative
-        # context, fully cached but for the workload's new tokens, and the loads seen then.
+        context = next(c for c in grid.context_classes if c.name == key[0])
+        workload = next(w for w in grid.workload_classes if w.name == key[1])
+        cell = self._cells[key]
         seen = cell.decode_local.conditions
-        nominal = RequestFeatures(
-            decision_key=f.decision_key, turn=f.turn, prompt_tokens=context.representative_tokens,
-            cached_on_decode=max(0, context.representative_tokens - workload.input_tokens),
-            cached_on_prefill=max(0, context.representative_tokens - workload.input_tokens),
-            expected_output_tokens=workload.output_tokens, has_session_decode=True,
+        cached = max(0, context.representative_tokens - workload.input_tokens)
+        return RequestFeatures(
+            decision_key=f"{key}", turn=2, prompt_tokens=context.representative_tokens,
+            cached_on_decode=cached, cached_on_prefill=cached, expected_output_tokens=workload.output_tokens,
+            has_session_decode=True,
             decode_load=WorkerLoad(decode_requests=round(seen.decode_batch),
                                    decode_kv_tokens=round(seen.decode_kv_tokens)),
             prefill_load=WorkerLoad(pending_prefill_tokens=round(cell.via_prefill.conditions.prefill_queue_tokens)),
-            qps=qps)
-        return (context.name, workload.name, qps), nominal
+            qps=key[2])
 
 
 def _route(s: float) -> Route:
