@@ -26,7 +26,7 @@ bench-decisions *args:
 bench-overhead *args:
     uv run python -m dynamo_ppd.router.bench_overhead {{args}}
 
-# Multi-turn benchmark (lands with its own issue).
+# Multi-turn benchmark: `just bench compare --systems pd,cond-disagg,ppd --qps 1,4` (see --help).
 bench *args:
     uv run dynamo-ppd bench {{args}}
 
@@ -45,3 +45,7 @@ sim *args:
 # Rebuild the PPD tables shipped for the default profile (1P3D, 2P2D, 3P1D) on the simulation.
 tables:
     for config in 1p3d 2p2d 3p1d; do uv run dynamo-ppd table build --config $config --out dynamo_ppd/policy/tables/h100-llama3.1-8b-$config.json || exit 1; done
+
+# The paper's Table 1, Table 3, Fig. 5 and Fig. 6 on the simulated H100 cluster -> docs/results.md.
+reproduce *args:
+    uv run python -m dynamo_ppd.bench.reproduce {{args}}

@@ -120,8 +120,11 @@ def _add_router(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    sub.add_parser("bench", help="multi-turn benchmark (not implemented yet)",
-                   description="The multi-turn benchmark lands with its own issue; not yet.")
+    from .bench import compare
+
+    compare.add_arguments(sub.add_parser(
+        "bench", help="multi-turn benchmark: compare systems side by side, or measure an endpoint",
+        description=compare.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return table_cli.main(args)
         if args.command == "bench":
-            print("dynamo-ppd bench: not yet (the multi-turn benchmark lands with its own issue)",
-                  file=sys.stderr)
-            return 2
+            from .bench import compare
+
+            return compare.main(args)
     except (GraphError, BadInput, ModelDirError, ProfileError) as exc:
         print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
         return 2

@@ -129,9 +129,11 @@ def test_help_documents_serve():
         assert flag in result.stdout
 
 
-def test_bench_says_not_yet():
-    result = cli("bench")
-    assert result.returncode == 2 and "not yet" in result.stderr
+def test_bench_rejects_bad_input_with_one_line():
+    result = cli("bench", "compare", "--systems", "pd,nope")
+    assert result.returncode == 2 and "unknown system 'nope'" in result.stderr
+    result = cli("bench", "compare", "--workload", "no-such-workload", "--systems", "pd")
+    assert result.returncode == 2 and "no-such-workload" in result.stderr
 
 
 def test_engine_and_sim_commands_are_wired(tmp_path):

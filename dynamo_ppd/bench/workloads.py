@@ -1,0 +1,320 @@
+"""Workload generators: manifests for the paper's experiments and for ShareGPT/WildChat-like chat.
+
+The real data sets are not reachable offline (and tests must not need them), so the chat
+workloads are synthetic with the data sets' published shape (turn counts, message-size medians
+and tails; docs/manifest.md lists every parameter and how it was fitted). A user with the real
+ShareGPT dump converts it with `load_sharegpt`.
+
+Every generator is deterministic for its seed, and uses two random streams: conversation arrivals
+(Poisson, from the seed alone, so every workload at one seed and rate arrives at the same
+instants: common random numbers across compared workloads) and conversation contents (from the
+workload name and seed, so conversation i is the same whatever the rate and duration).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+from statistics import NormalDist
+
+import msgspec
+
+from dynamo_ppd.bench.manifest import (
+    Manifest,
+    ManifestConversation,
+    ManifestError,
+    ManifestHeader,
+    ManifestTurn,
+    TokenCounter,
+)
+
+_Z = NormalDist()
+TurnPlan = Callable[[random.Random], list[ManifestTurn]]
+
+
+class UnknownWorkload(KeyError):
+    """A workload name that is not in `WORKLOADS`; the message lists the known names."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"unknown workload {self.name!r}; known workloads: {', '.join(WORKLOADS)}"
+
+
+class TruncatedLogNormal:
+    """Integer token counts from a lognormal truncated at ``cap`` (no spike at the cap, unlike
+    clipping), fitted so that the *truncated* distribution's median and p90 are the targets,
+    then rounded and floored at 1. A lognormal because message lengths are right-skewed over
+    orders of magnitude; the fit is a fixed-point iteration (the cap moves the quantiles a little,
+    the quantiles move the mass below the cap)."""
+
+    def __init__(self, median: float, p90: float, cap: int):
+        if not 0 < median < p90 < cap:
+            raise ValueError("need 0 < median < p90 < cap")
+        self.cap = cap
+        self.sigma = math.log(p90 / median) / _Z.inv_cdf(0.9)
+        self.mu = math.log(median)
+        for _ in range(100):
+            mass = _Z.cdf((math.log(cap) - self.mu) / self.sigma)
+            z50, z90 = _Z.inv_cdf(0.5 * mass), _Z.inv_cdf(0.9 * mass)
+            self.sigma = math.log(p90 / median) / (z90 - z50)
+            self.mu = math.log(median) - self.sigma * z50
+        self.mass = _Z.cdf((math.log(cap) - self.mu) / self.sigma)  # P(untruncated <= cap)
+
+    def quantile(self, q: float) -> float:
+        return math.exp(self.mu + self.sigma * _Z.inv_cdf(q * self.mass))
+
+    def sample(self, rng: random.Random) -> int:
+        u = max(rng.random() * self.mass, 1e-300)
+        return min(self.cap, max(1, round(math.exp(self.mu + self.sigma * _Z.inv_cdf(u)))))
+
+
+def poisson_arrivals(rate_conv_per_s: float, duration_s: float, seed: int) -> list[float]:
+    """Arrival times of a Poisson process of the given rate in [0, duration_s), to the µs."""
+    if not (rate_conv_per_s > 0 and duration_s > 0):
+        raise ValueError("rate and duration must be positive")
+    rng = random.Random(f"arrivals:{seed}")
+    out: list[float] = []
+    t = rng.expovariate(rate_conv_per_s)
+    while t < duration_s:
+        out.append(round(t, 6))
+        t += rng.expovariate(rate_conv_per_s)
+    return out
+
+
+def _think(rng: random.Random, mean_s: float) -> float:
+    return round(rng.expovariate(1 / mean_s), 3) if mean_s > 0 else 0.0
+
+
+def _build(name: str, description: str, rate_conv_per_s: float, duration_s: float, seed: int,
+           plan: TurnPlan) -> Manifest:
+    arrivals = poisson_arrivals(rate_conv_per_s, duration_s, seed)
+    rng = random.Random(f"{name}:{seed}")
+    header = ManifestHeader(workload=name, seed=seed, description=description,
+                            rate_conv_per_s=rate_conv_per_s, duration_s=duration_s)
+    return Manifest(header, [ManifestConversation(f"c{i:05d}", t, plan(rng)) for i, t in enumerate(arrivals)])
+
+
+def _fixed_plan(first: tuple[int, int], follow_up: tuple[int, int], turns: int,
+                think_time_s: float) -> TurnPlan:
+    if think_time_s < 0:
+        raise ValueError("think time cannot be negative")
+    plan = [ManifestTurn(first[1], user_tokens=first[0])]
+    plan += [ManifestTurn(follow_up[1], user_tokens=follow_up[0], think_time_s=think_time_s)] * (turns - 1)
+    return lambda rng: list(plan)
+
+
+# --- the paper's controlled experiments -----------------------------------------------------
+
+SYNTHETIC_FIRST_TURNS = {"a": (512, 128), "b": (2048, 128)}  # (n_in, n_out); our choice, see below
+SYNTHETIC_FOLLOW_UP_IN = (32, 256, 1024)
+SYNTHETIC_FOLLOW_UP_OUT = (32, 256, 512)
+SYNTHETIC_NAMES = [f"syn-{k}-in{n_in}-out{n_out}" for k in SYNTHETIC_FIRST_TURNS
+                   for n_in in SYNTHETIC_FOLLOW_UP_IN for n_out in SYNTHETIC_FOLLOW_UP_OUT]
+
+
+def synthetic_sizes(name: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(first turn, follow-up) as (user tokens, max tokens) of a synthetic workload name."""
+    if name not in SYNTHETIC_NAMES:
+        raise UnknownWorkload(name)
+    _, key, n_in, n_out = name.split("-")
+    return SYNTHETIC_FIRST_TURNS[key], (int(n_in[2:]), int(n_out[3:]))
+
+
+def paper_synthetic(name: str, rate_conv_per_s: float, duration_s: float, seed: int = 0,
+                    think_time_s: float = 0.0) -> Manifest:
+    """One of the paper's 18 synthetic workloads: 2-turn conversations, Poisson arrivals.
+
+    The paper crosses 2 first-turn settings with 9 follow-up settings, n_in in {32, 256, 1024} x
+    n_out in {32, 256, 512}, from decode-heavy (in32-out512) to prefill-heavy (in1024-out32). Its
+    summary does not give the first-turn settings; we use A = (n_in 512, n_out 128) and
+    B = (n_in 2048, n_out 128): a short and a long history that the follow-up appends to, which
+    is what decides whether decode-local append-prefill pays. Names: ``syn-a-in32-out512`` etc.
+    The think time before turn 2 is 0 by default (a controlled experiment; closed loop)."""
+    first, follow_up = synthetic_sizes(name)
+    desc = (f"paper synthetic: turn 1 in={first[0]} out={first[1]}, "
+            f"turn 2 in={follow_up[0]} out={follow_up[1]}")
+    plan = _fixed_plan(first, follow_up, 2, think_time_s)
+    return _build(name, desc, rate_conv_per_s, duration_s, seed, plan)
+
+
+def long_context(rate_conv_per_s: float, duration_s: float, seed: int = 0,
+                 think_time_s: float = 0.0) -> Manifest:
+    """The paper's long-context workload, "10k in, 100 out, 5 turns", read as: the first turn
+    sends 10,000 tokens, each of the 4 follow-ups appends 100 new tokens, and every turn asks for
+    100 output tokens (so the history grows from 10k to ~10.9k: tiny appends on a long context,
+    where re-prefilling or re-transferring the history is most wasteful)."""
+    return _build("long-context", "long context: turn 1 in=10000, follow-ups in=100, every turn out=100",
+                  rate_conv_per_s, duration_s, seed, _fixed_plan((10_000, 100), (100, 100), 5, think_time_s))
+
+
+def turn_scaling(turns: int, rate_conv_per_s: float, duration_s: float, seed: int = 0,
+                 think_time_s: float = 0.0) -> Manifest:
+    """Conversations of exactly ``turns`` turns (the paper sweeps 2..16) with moderate sizes:
+    turn 1 sends 512 tokens, each follow-up 256, every turn asks for 128 (16 turns end at ~6.4k
+    tokens of context, within an 8B model's usual window)."""
+    if turns < 1:
+        raise ValueError("a conversation has at least one turn")
+    return _build(f"turns-{turns}", f"{turns} turns: turn 1 in=512, follow-ups in=256, every turn out=128",
+                  rate_conv_per_s, duration_s, seed, _fixed_plan((512, 128), (256, 128), turns, think_time_s))
+
+
+# --- chat data sets' shapes -----------------------------------------------------------------
+
+# ShareGPT turn counts (brief §6); the 11% of 7+ is spread over 7..12 with geometrically falling
+# shares (ratio 0.758) chosen so the mean is the data set's 3.5 turns.
+SHAREGPT_TURN_SHARES = {1: 0.25, 2: 0.18, 3: 0.15, 4: 0.14, 5: 0.10, 6: 0.07,
+                        7: 0.033, 8: 0.025, 9: 0.019, 10: 0.014, 11: 0.011, 12: 0.008}
+SHAREGPT_FIRST_USER = TruncatedLogNormal(median=24, p90=432, cap=4096)
+SHAREGPT_LATER_USER = TruncatedLogNormal(median=16, p90=86, cap=4096)
+# Cap 814 puts the p99 at 769 (the data set's), with the median 255 and p90 549 fitted.
+SHAREGPT_ASSISTANT = TruncatedLogNormal(median=255, p90=549, cap=814)
+
+# WildChat: turn counts from a mixture of two geometrics (86% casual chats with mean 1.6 turns,
+# 14% long sessions with mean 8), capped at 50: mean 2.5 turns, 3.7% over 10. Messages are
+# longer than ShareGPT's; the medians/p90s below put the P90 of a conversation's final context
+# at ~5,115 tokens (checked by simulation in the tests).
+WILDCHAT_SHORT_SHARE, WILDCHAT_SHORT_MEAN, WILDCHAT_LONG_MEAN, WILDCHAT_MAX_TURNS = 0.86, 1.6, 8.0, 50
+WILDCHAT_USER = TruncatedLogNormal(median=62, p90=950, cap=8192)
+WILDCHAT_ASSISTANT = TruncatedLogNormal(median=400, p90=1000, cap=4096)
+
+DEFAULT_THINK_TIME_MEAN_S = 1.0
+
+
+def _geometric(rng: random.Random, mean: float) -> int:
+    """1, 2, ... with P(k) = p (1-p)^(k-1), p = 1/mean."""
+    return 1 + int(math.log(1.0 - rng.random()) / math.log(1.0 - 1.0 / mean))
+
+
+def sharegpt_turn_count(rng: random.Random) -> int:
+    return rng.choices(list(SHAREGPT_TURN_SHARES), weights=list(SHAREGPT_TURN_SHARES.values()))[0]
+
+
+def wildchat_turn_count(rng: random.Random) -> int:
+    mean = WILDCHAT_SHORT_MEAN if rng.random() < WILDCHAT_SHORT_SHARE else WILDCHAT_LONG_MEAN
+    return min(WILDCHAT_MAX_TURNS, _geometric(rng, mean))
+
+
+def sharegpt_like(rate_conv_per_s: float, duration_s: float, seed: int = 0,
+                  think_time_mean_s: float = DEFAULT_THINK_TIME_MEAN_S) -> Manifest:
+    """ShareGPT-shaped chat: turn counts as `SHAREGPT_TURN_SHARES`, first user message
+    median 24 / p90 432 tokens, later ones 16 / 86, replies 255 / 549 / p99 769. Think times are
+    exponential with mean ``think_time_mean_s`` (the paper does not say; 1 s keeps several turns
+    of a conversation inside a short benchmark point while still spacing them)."""
+
+    def plan(rng: random.Random) -> list[ManifestTurn]:
+        return [ManifestTurn(SHAREGPT_ASSISTANT.sample(rng),
+                             user_tokens=(SHAREGPT_FIRST_USER if k == 0 else SHAREGPT_LATER_USER).sample(rng),
+                             think_time_s=_think(rng, think_time_mean_s) if k else 0.0)
+                for k in range(sharegpt_turn_count(rng))]
+
+    return _build("sharegpt", "ShareGPT-like chat (synthetic, fitted to the data set's statistics)",
+                  rate_conv_per_s, duration_s, seed, plan)
+
+
+def wildchat_like(rate_conv_per_s: float, duration_s: float, seed: int = 0,
+                  think_time_mean_s: float = DEFAULT_THINK_TIME_MEAN_S) -> Manifest:
+    """WildChat-shaped chat: mean 2.5 turns with 3.7% over 10, user messages median 62 / p90
+    950 tokens, replies 400 / 1000, P90 final context ~5,115 tokens; think times as
+    `sharegpt_like`."""
+
+    def plan(rng: random.Random) -> list[ManifestTurn]:
+        return [ManifestTurn(WILDCHAT_ASSISTANT.sample(rng), user_tokens=WILDCHAT_USER.sample(rng),
+                             think_time_s=_think(rng, think_time_mean_s) if k else 0.0)
+                for k in range(wildchat_turn_count(rng))]
+
+    return _build("wildchat", "WildChat-like chat (synthetic, fitted to the data set's statistics)",
+                  rate_conv_per_s, duration_s, seed, plan)
+
+
+# --- a real ShareGPT file -------------------------------------------------------------------
+
+_HUMAN = {"human", "user"}
+_ASSISTANT = {"gpt", "chatgpt", "assistant", "bard", "bing", "model"}
+
+
+def _approx_reply_tokens(text: str) -> int:
+    return round(len(text.split()) * 1.3)  # ~1.3 Llama tokens per English word
+
+
+def _sharegpt_turns(messages: object, count: TokenCounter) -> list[ManifestTurn]:
+    """The (human, reply) pairs from the start of a conversation; stops at the first message out
+    of order or empty, since a history with a hole cannot be replayed faithfully."""
+    if not isinstance(messages, list):
+        return []
+    msgs = [m for m in messages if isinstance(m, dict)]
+    while msgs and msgs[0].get("from") not in _HUMAN:  # a system prompt or greeting first
+        msgs.pop(0)
+    turns = []
+    for human, reply in zip(msgs[::2], msgs[1::2], strict=False):
+        text, answer = human.get("value"), reply.get("value")
+        if (human.get("from") not in _HUMAN or reply.get("from") not in _ASSISTANT
+                or not isinstance(text, str) or not isinstance(answer, str) or not text.strip()):
+            break
+        turns.append(ManifestTurn(max(1, count(answer)), user_text=text))
+    return turns
+
+
+def load_sharegpt(path: str | Path, tokenizer_count: TokenCounter | None = None,
+                  max_conversations: int | None = None, rate_conv_per_s: float = 1.0, seed: int = 0,
+                  think_time_mean_s: float = 0.0) -> Manifest:
+    """A manifest from a ShareGPT json (a list of {"id", "conversations": [{"from", "value"}]}):
+    each human message is a turn's text, and its ``max_tokens`` is the recorded reply's length
+    (``tokenizer_count`` of it, or ~1.3 tokens per word). Conversations arrive as a Poisson
+    process of ``rate_conv_per_s`` in file order; think time 0 unless a mean is given."""
+    records = msgspec.json.decode(Path(path).read_bytes())
+    if not isinstance(records, list):
+        raise ManifestError(f"{path}: expected a JSON list of conversations")
+    count = tokenizer_count or _approx_reply_tokens
+    rng = random.Random(f"sharegpt-file:{seed}")
+    arrivals = random.Random(f"arrivals:{seed}")
+    convs: list[ManifestConversation] = []
+    ids: set[str] = set()
+    t = 0.0
+    for i, record in enumerate(records):
+        if max_conversations is not None and len(convs) >= max_conversations:
+            break
+        if not isinstance(record, dict):
+            continue
+        turns = _sharegpt_turns(record.get("conversations"), count)
+        if not turns:
+            continue
+        turns = [turns[0]] + [msgspec.structs.replace(x, think_time_s=_think(rng, think_time_mean_s))
+                              for x in turns[1:]]
+        cid = str(record.get("id", f"sharegpt-{i}")) or f"sharegpt-{i}"
+        base, n = cid, 2
+        while cid in ids:  # ShareGPT dumps repeat some ids
+            cid, n = f"{base}#{n}", n + 1
+        ids.add(cid)
+        t += arrivals.expovariate(rate_conv_per_s)
+        convs.append(ManifestConversation(cid, round(t, 6), turns))
+    header = ManifestHeader(workload="sharegpt-file", seed=seed,
+                            description=f"converted from {Path(path).name}",
+                            rate_conv_per_s=rate_conv_per_s, duration_s=t)
+    return Manifest(header, convs)
+
+
+# --- registry -------------------------------------------------------------------------------
+
+WORKLOADS: dict[str, Callable[..., Manifest]] = {
+    **{name: functools.partial(paper_synthetic, name) for name in SYNTHETIC_NAMES},
+    "long-context": long_context,
+    **{f"turns-{n}": functools.partial(turn_scaling, n) for n in range(2, 17)},
+    "sharegpt": sharegpt_like,
+    "wildchat": wildchat_like,
+}
+"""Every named workload, called as ``(rate_conv_per_s, duration_s, seed=0) -> Manifest``."""
+
+
+def make_workload(name: str, rate_conv_per_s: float, duration_s: float, seed: int = 0) -> Manifest:
+    """The named workload's manifest; `UnknownWorkload` (a KeyError) lists the names."""
+    try:
+        factory = WORKLOADS[name]
+    except KeyError:
+        raise UnknownWorkload(name) from None
+    return factory(rate_conv_per_s, duration_s, seed)
