@@ -41,7 +41,7 @@ class RequestResult(msgspec.Struct, frozen=True):
         return sum(self.token_gaps_s) / len(self.token_gaps_s) if self.token_gaps_s else None
 
 
-class _Text:
+class TokenText:
     """User messages of a given token count: words that are one token each in the local model's
     vocabulary, or short plain words (about one token each) for any other model."""
 
@@ -68,11 +68,14 @@ class _Text:
         return self.joiner.join(self.rng.choices(self.words, k=max(1, tokens))).strip()
 
 
-async def _request(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,
-                   session: str) -> tuple[float | None, float | None, list[float], str, str | None]:
+async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,
+                      session: str, annotations: tuple[str, ...] = (),
+                      ) -> tuple[float | None, float | None, list[float], str, str | None]:
     """(TTFT, e2e, token gaps, text, error) of one streamed chat completion."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body: dict = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+                  "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if annotations:
+        body["nvext"] = {"annotations": list(annotations)}
     sent = time.monotonic()
     stamps: list[float] = []
     text = ""
@@ -109,7 +112,7 @@ async def run_manifest(url: str, manifest: Manifest, model: str | None = None, s
     async with httpx.AsyncClient(limits=limits, timeout=TIMEOUT_S) as client:
         if model is None:
             model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        text = _Text(seed)
+        text = TokenText(seed)
         results: list[RequestResult] = []
         start = time.monotonic()
 
@@ -124,8 +127,8 @@ async def run_manifest(url: str, manifest: Manifest, model: str | None = None, s
                 content = turn.user_text if turn.user_text is not None else text(turn.user_tokens or 1)
                 messages.append({"role": "user", "content": content})
                 sent = time.monotonic() - start
-                ttft, e2e, gaps, reply, error = await _request(client, url, model, messages, turn.max_tokens,
-                                                               session)
+                ttft, e2e, gaps, reply, error = await chat_stream(client, url, model, messages,
+                                                                  turn.max_tokens, session)
                 ok = error is None and e2e is not None and e2e <= TIMEOUT_S
                 result = RequestResult(conv.conversation_id, index, due, sent, sent - due, ttft, e2e,
                                        len(gaps) + 1 if ttft is not None else 0, gaps, ok, error)

@@ -7,19 +7,25 @@ import sys
 from pathlib import Path
 
 from ..engine.profile import DEFAULT_PROFILE
-from .table import PpdTable, TableError, Weights, bundled_table, load_table, reweight, save_table
+from .table import (
+    PpdTable,
+    TableError,
+    Weights,
+    bundled_table,
+    load_table,
+    parse_weights,
+    reweight,
+    save_table,
+)
 
 CONFIGS = ("1P3D", "2P2D", "3P1D")
 
 
 def weights_arg(text: str) -> Weights:
     try:
-        w_ttft, w_tpot = (float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not W_TTFT,W_TPOT (e.g. 1,1)") from None
-    if w_ttft < 0 or w_tpot < 0 or w_ttft + w_tpot == 0:
-        raise argparse.ArgumentTypeError("weights must be non-negative and not both zero")
-    return Weights(w_ttft, w_tpot)
+        return parse_weights(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _table_arg(p: argparse.ArgumentParser) -> None:

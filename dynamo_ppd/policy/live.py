@@ -13,73 +13,35 @@ against an idle cluster).
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
 import time
 
 import httpx
 
+from ..bench.client import TIMEOUT_S, TokenText, chat_stream
 from ..engine.profile import DEFAULT_PROFILE
 from .build import Progress, _order
 from .grid import GridSpec, default_grid
 from .table import TABLE_FORMAT_VERSION, BuildInfo, Cell, Measurement, PpdTable, Weights, decide
 
-TIMEOUT_S = 30.0
 FORCE = "x-ppd-route:"
-
-
-class _Text:
-    """User messages of about N tokens: words of the served model's vocabulary when it is the
-    local simulated model (one token each), else short words (about one token each)."""
-
-    def __init__(self, seed: int):
-        self.rng = random.Random(seed)
-        try:
-            from tokenizers import Tokenizer
-
-            from .. import model
-
-            info = model.load_model_info(model.default_model_dir())
-            tok = Tokenizer.from_file(str(model.default_model_dir() / "tokenizer.json"))
-            low, high = info.generation_token_range
-            self.words = [tok.decode([i]) for i in range(low, min(high, low + 2000))]
-            self.joiner = ""
-        except Exception:  # noqa: BLE001 (a real model: plain words)
-            self.words = [f"w{i}" for i in range(2000)]
-            self.joiner = " "
-
-    def __call__(self, tokens: int) -> str:
-        return self.joiner.join(self.rng.choices(self.words, k=max(1, tokens)))
 
 
 async def _turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,
                 session: str, annotations: list[str]) -> tuple[float, float | None, str] | None:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "nvext": {"annotations": annotations}}
-    sent = time.monotonic()
-    stamps, text = [], ""
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=TIMEOUT_S,
-                                 headers={"x-dynamo-session-id": session}) as response:
-            if response.status_code != 200:
-                return None
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and '"content"' in line:
-                    stamps.append(time.monotonic())
-                    text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-    except (httpx.HTTPError, asyncio.TimeoutError):
+    """(TTFT, TPOT, reply) of one streamed turn, or None if it failed."""
+    ttft, e2e, gaps, text, error = await chat_stream(client, url, model, messages, max_tokens, session,
+                                                     tuple(annotations))
+    if error is not None or ttft is None or e2e is None or e2e > TIMEOUT_S:
         return None
-    if not stamps or stamps[-1] - sent > TIMEOUT_S:
-        return None
-    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
-    return stamps[0] - sent, tpot, text
+    return ttft, (sum(gaps) / len(gaps) if gaps else None), text
 
 
 async def _measure(url: str, model: str, context: int, n_in: int, n_out: int, qps: float, seconds: float,
                    route: str, seed: int) -> Measurement:
     rng = random.Random(seed)
-    text = _Text(seed)
+    text = TokenText(seed)
     ttfts: list[float] = []
     tpots: list[float] = []
     failures = 0

@@ -86,6 +86,17 @@ class PpdTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return {(c.context_class, c.workload_class, c.qps): c for c in self.cells}
 
 
+def parse_weights(text: str) -> Weights:
+    """``W_TTFT,W_TPOT`` (e.g. ``1,1`` or ``2,1``) -> Weights; ValueError saying what is wrong."""
+    try:
+        w_ttft, w_tpot = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{text!r} is not W_TTFT,W_TPOT (e.g. 1,1 or 2,1)") from None
+    if w_ttft < 0 or w_tpot < 0 or w_ttft + w_tpot == 0:
+        raise ValueError("weights must be non-negative and not both zero")
+    return Weights(w_ttft, w_tpot)
+
+
 def decide(via_prefill: Measurement, decode_local: Measurement, weights: Weights) -> tuple[float, Decision]:
     s = score(decode_local.prediction(), via_prefill.prediction(), weights.w_ttft, weights.w_tpot)
     return s, ("decode_local" if s > 0 else "via_prefill")

@@ -39,13 +39,13 @@ class RouterConfig:
 
 
 def _weights(text: str) -> tuple[float, float]:
+    from ..policy.table import parse_weights
+
     try:
-        w_ttft, w_tpot = (float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not W_TTFT,W_TPOT (e.g. 1,1 or 2,1)") from None
-    if w_ttft < 0 or w_tpot < 0 or w_ttft + w_tpot == 0:
-        raise argparse.ArgumentTypeError("weights must be non-negative and not both zero")
-    return w_ttft, w_tpot
+        weights = parse_weights(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return weights.w_ttft, weights.w_tpot
 
 
 def _fraction(text: str) -> float:
