@@ -89,7 +89,8 @@ def download(model: str, out: Path, tokenizer_only: bool, revision: str | None) 
     print(f"downloading {model} ({'tokenizer and config' if tokenizer_only else 'full model'}) "
           f"into {out}", flush=True)
     # The token comes from HF_TOKEN (or a prior `hf auth login`).
-    snapshot_download(repo_id=model, revision=revision, local_dir=str(out), allow_patterns=patterns)
+    snapshot_download(repo_id=model, revision=revision, local_dir=str(out), allow_patterns=patterns,
+                      ignore_patterns=["original/*"])
 
 
 def prepare(model: str, out: Path | None, served_model_name: str | None, tokenizer_only: bool,

@@ -220,6 +220,11 @@ def init_model_dir(model_dir: Path | None = None, *, served_model_name: str = DE
     model_dir = Path(model_dir or default_model_dir())
     if not force and is_complete(model_dir):
         return model_dir
+    ours = (model_dir / "dynamo_ppd_model.json").is_file()
+    if model_dir.is_dir() and any(model_dir.iterdir()) and not ours:
+        # Never replace somebody's real model (e.g. a downloaded Llama) with the simulated one.
+        raise ModelDirError(f"{model_dir} holds files but is not a dynamo-ppd model directory; refusing "
+                            f"to overwrite it (for a real model run deploy/prepare_model.py on it first)")
     if vocab_size < 4096:
         raise ModelDirError(f"vocab size {vocab_size} is too small; use at least 4096")
     trained = _train(vocab_size, seed)

@@ -77,3 +77,12 @@ def test_init_is_idempotent_and_validated(model_dir, tmp_path):
     (tmp_path / "bad" / "dynamo_ppd_model.json").write_text('{"format_version": "one"}')
     with pytest.raises(model.ModelDirError, match="format_version"):
         model.load_model_info(tmp_path / "bad")
+
+
+def test_init_refuses_to_overwrite_a_foreign_directory(tmp_path):
+    real = tmp_path / "llama"
+    real.mkdir()
+    (real / "model.safetensors").write_text("weights")
+    with pytest.raises(model.ModelDirError, match="refusing to overwrite"):
+        model.init_model_dir(real, force=True)
+    assert (real / "model.safetensors").read_text() == "weights"

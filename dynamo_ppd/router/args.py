@@ -36,6 +36,7 @@ class RouterConfig:
     etcd_url: str
     nats_url: str
     metrics_port: int
+    metrics_host: str
 
 
 def _weights(text: str) -> tuple[float, float]:
@@ -104,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-url", default=os.environ.get("NATS_SERVER", "nats://127.0.0.1:4222"),
                    help="NATS for the workers' KV events (default: $NATS_SERVER)")
     p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics on 127.0.0.1:PORT (0: off)")
+                   help="serve Prometheus metrics on METRICS_HOST:PORT (0: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics server binds (0.0.0.0 in a pod, for Prometheus to scrape)")
     return p
 
 
@@ -128,4 +131,4 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         served_model_name=a.served_model_name, block_size=a.block_size,
         default_max_tokens=a.default_max_tokens, session_ttl_s=a.session_ttl,
         session_prefix=a.session_prefix, min_resident_fraction=a.min_resident_fraction,
-        etcd_url=a.etcd_url, nats_url=a.nats_url, metrics_port=a.metrics_port)
+        etcd_url=a.etcd_url, nats_url=a.nats_url, metrics_port=a.metrics_port, metrics_host=a.metrics_host)

@@ -38,7 +38,7 @@ async def serve(config: RouterConfig) -> None:
         loop.add_signal_handler(sig, runtime.shutdown)
     metrics = RouterMetrics()
     if config.metrics_port:
-        metrics.serve(config.metrics_port)
+        metrics.serve(config.metrics_port, config.metrics_host)
     router = PpdRouter(runtime, config, build_policy(config), metrics)
     await router.start()
     path = config.model_path or model_dir.default_model_dir()

