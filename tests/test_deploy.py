@@ -16,12 +16,8 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import threading
-import time
-import urllib.error
 import urllib.request
 import zipfile
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -454,23 +450,28 @@ def test_helm_template_preset(helm, preset):
         assert volume["configMap"]["name"] == "ppd-engine"
         assert engine_cm["data"][engine_path.name] == (DEPLOY / "engine" / f"{role}.yaml").read_text()
 
-    # The PodMonitor finds the router pods and a port they expose.
+    # The router serves its metrics on the pod address, on a port of its container that the
+    # PodMonitor scrapes (no sidecar).
+    router_main = _main(comps["Router"])
+    args = router_main["args"]
+    assert args[args.index("--metrics-host") + 1] == "0.0.0.0" == router.metrics_host
+    assert args[args.index("--metrics-port") + 1] == "28808" and router.metrics_port == 28808
+    assert [c["name"] for c in comps["Router"]["podTemplate"]["spec"]["containers"]] == ["main"]
     (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     labels = comps["Router"]["podTemplate"]["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    containers = comps["Router"]["podTemplate"]["spec"]["containers"]
-    ports = {p["name"] for c in containers for p in c.get("ports", [])}
-    assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
-    proxy = next(c for c in containers if c["name"] == "metrics-proxy")
-    assert proxy["args"][proxy["args"].index("--upstream") + 1] == \
-        f"http://127.0.0.1:{router.metrics_port}/metrics"
+    ports = {p["name"]: p["containerPort"] for p in router_main["ports"]}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert ports[endpoint["port"]] == router.metrics_port
 
 
 def test_helm_values_reach_the_router(helm, tmp_path):
     docs = render(helm, "--set", "router.mode=fraction", "--set", "router.localFraction=0.25",
                   "--set", "router.weights=2\\,1", "--set", "router.sessionTtl=600",
                   "--set", "router.onlineCorrection=false", "--set-file", f"router.tableJson={SHIPPED_TABLE}",
+                  "--set", "router.metricsPort=9464",
                   "--set", "grafanaDashboard.enabled=true", "--set", "decode.replicas=2",
                   "--set", "prefill.nodeSelector.pool=h100", "--set", "nodeSelector.zone=a",
                   "--set-json",
@@ -479,6 +480,7 @@ def test_helm_values_reach_the_router(helm, tmp_path):
     assert (router.mode, router.local_fraction, router.weights, router.session_ttl) == \
         ("fraction", 0.25, (2.0, 1.0), 600.0)
     assert router.online_correction is False and router.table == "/etc/ppd/table.json"
+    assert (router.metrics_host, router.metrics_port) == ("0.0.0.0", 9464)
     (table_cm,) = [d for d in docs if d["kind"] == "ConfigMap" and "table.json" in d.get("data", {})]
     (tmp_path / "table.json").write_text(table_cm["data"]["table.json"])
     assert load_table(tmp_path / "table.json").config == "2P2D"
@@ -486,6 +488,9 @@ def test_helm_values_reach_the_router(helm, tmp_path):
     mounts = {m["mountPath"]: m["name"] for m in _main(comps["Router"])["volumeMounts"]}
     volumes = {v["name"]: v for v in comps["Router"]["podTemplate"]["spec"]["volumes"]}
     assert volumes[mounts["/etc/ppd"]]["configMap"]["name"] == table_cm["metadata"]["name"]
+    ports = {p["name"]: p["containerPort"] for p in _main(comps["Router"])["ports"]}
+    (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert [ports[e["port"]] for e in monitor["spec"]["podMetricsEndpoints"]] == [9464]
     (dash_cm,) = [d for d in docs
                   if d["kind"] == "ConfigMap" and "dynamo-ppd-router.json" in d.get("data", {})]
     assert json.loads(dash_cm["data"]["dynamo-ppd-router.json"]) == json.loads(DASHBOARD.read_text())
@@ -517,7 +522,7 @@ def test_helm_router_flag_check_catches_unknown_flags(helm):
     (["--set", "router.mode=bogus"], "router/mode"),
     (["--set", "router.weight=1"], "weight"),
     (["--set", "prefill.engineConfig=missing.yaml"], "missing.yaml"),
-    (["--set", "router.metricsProxy.enabled=false"], "127.0.0.1"),
+    (["--set", "router.metricsProxy.enabled=true"], "metricsProxy"),  # the sidecar's old values
 ])
 def test_helm_rejects_bad_values(helm, values, message):
     result = _helm(helm, "template", "ppd", str(CHART), *values)
@@ -601,8 +606,9 @@ def test_dockerfile():
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
     assert "**" in ignore  # everything out (.venv, runs/, caches) but what the build needs:
     for needed in ("!pyproject.toml", "!README.md", "!dynamo_ppd/**", "!graphs/**",
-                   "!deploy/prepare_model.py", "!deploy/metrics_proxy.py"):
+                   "!deploy/prepare_model.py"):
         assert needed in ignore
+    assert "metrics_proxy" not in text + "\n".join(ignore)  # the router serves its metrics itself
 
 
 # ---------------------------------------------------------------------------------------------
@@ -675,56 +681,6 @@ def test_prepare_model_refuses_to_write_into_unrelated_directories(tmp_path, cap
     (tmp_path / "m").mkdir()
     assert prepare.main(["--model", str(tmp_path / "m")]) == 2  # not a Hugging Face directory
     assert (tmp_path / "notes.txt").read_text() == "keep me"
-
-
-class _Upstream(BaseHTTPRequestHandler):
-    body = b"# HELP ppd_sessions_active x\nppd_sessions_active 3.0\n"
-
-    def do_GET(self):  # noqa: N802
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, *args):
-        pass
-
-
-def _get(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def test_metrics_proxy_serves_the_router_metrics(tmp_path):
-    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
-    threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(DEPLOY / "metrics_proxy.py"),
-                             "--listen", f"127.0.0.1:{port}",
-                             "--upstream", f"http://127.0.0.1:{upstream.server_address[1]}/metrics"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if _get(f"http://127.0.0.1:{port}/healthz")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
-            time.sleep(0.05)
-        assert _get(f"http://127.0.0.1:{port}/metrics") == (200, _Upstream.body)
-        assert _get(f"http://127.0.0.1:{port}/other")[0] == 404
-        upstream.shutdown()
-        upstream.server_close()
-        assert _get(f"http://127.0.0.1:{port}/metrics")[0] == 502
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-    assert proc.returncode == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -96,6 +96,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - {{ required "platform.etcdUrl is required (the router keeps sessions in etcd)" .Values.platform.etcdUrl | quote }}
 - --nats-url
 - {{ required "platform.natsUrl is required (KV events travel over NATS)" .Values.platform.natsUrl | quote }}
+- --metrics-host
+- "0.0.0.0"
 - --metrics-port
 - {{ $r.metricsPort | quote }}
 {{- range $r.extraArgs }}
