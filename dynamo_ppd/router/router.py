@@ -145,11 +145,11 @@ class PpdRouter:
                                   if a != BYPASS_REMOTE_PREFILL_ANNOTATION and not a.startswith(FORCED_ROUTE)]
         if forced not in (None, Route.DECODE_LOCAL.value, Route.VIA_PREFILL.value):
             raise InvalidArgument(f"{FORCED_ROUTE}{forced}: the route must be decode_local or via_prefill")
-        request["_forced_route"] = forced if self.config.allow_forced_route else None
+        forced = forced if self.config.allow_forced_route else None
         started = time.monotonic()
         self.rate.record(started)
         try:
-            plan = await self._plan(request, tokens)
+            plan = await self._plan(request, tokens, forced)
         except NoWorkers as exc:
             self.metrics.errors.labels("no_workers").inc()
             raise HttpError(503, str(exc)) from None
@@ -167,7 +167,8 @@ class PpdRouter:
             self.policy.observe(plan.decision, first_at - started, tpot)  # online calibration
         await self._record_turn(plan, tokens, output)
 
-    async def _plan(self, request: dict, tokens: list[int]) -> _Plan:
+    async def _plan(self, request: dict, tokens: list[int], forced: str | None = None) -> _Plan:
+        """Decide the route and workers; ``forced``: a table-building client's route."""
         started = time.perf_counter()
         cfg = self.config
         local_hashes = self._hash(tokens, cfg.block_size)
@@ -200,7 +201,6 @@ class PpdRouter:
         features = dataclasses.replace(features, best_decode_load=self.loads.of(best, self.reports.get(best)))
         history = record.context_tokens if record and session_decode is not None else 0
         decision = self.policy.decide(features, history_tokens=history)
-        forced = request.pop("_forced_route", None)
         if forced and session_decode is not None and turn > 1:
             decision = Decision(Route(forced), "forced")
         if decision.route is Route.VIA_PREFILL and plan.prefill is None:
