@@ -16,13 +16,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
-import signal
 from typing import Any
 
 import msgspec
 
 from .. import model as model_dir
+from ..runtime import create_runtime
 from .args import WorkerConfig, parse_args
 from .cost import TransferLink
 from .handoff import (
@@ -231,15 +230,9 @@ class _Publishers:
 
 
 async def serve(config: WorkerConfig) -> None:
-    from dynamo.common.utils.runtime import create_runtime
     from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
 
-    runtime, loop = create_runtime(os.environ.get("DYN_DISCOVERY_BACKEND", "etcd"),
-                                   os.environ.get("DYN_REQUEST_PLANE", "tcp"),
-                                   os.environ.get("DYN_EVENT_PLANE") or None)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        # Deregister at once (not after the 30 s lease) when stopped.
-        loop.add_signal_handler(sig, runtime.shutdown)
+    runtime = create_runtime()
     profile, engine, info, path = build_engine(config)
     endpoint = runtime.endpoint(f"{config.namespace}.{config.component}.{config.endpoint}")
     instance_id = endpoint.connection_id()

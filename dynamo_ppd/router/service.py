@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
-import signal
 
 from .. import model as model_dir
 from ..engine.profile import load_profile
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.table import load_table
+from ..runtime import create_runtime
 from .args import RouterConfig, parse_args
 from .metrics import RouterMetrics
 from .router import PpdRouter
@@ -28,14 +27,9 @@ def build_policy(config: RouterConfig) -> Policy:
 
 
 async def serve(config: RouterConfig) -> None:
-    from dynamo.common.utils.runtime import create_runtime
     from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
 
-    runtime, loop = create_runtime(os.environ.get("DYN_DISCOVERY_BACKEND", "etcd"),
-                                   os.environ.get("DYN_REQUEST_PLANE", "tcp"),
-                                   os.environ.get("DYN_EVENT_PLANE") or None)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, runtime.shutdown)
+    runtime = create_runtime()
     metrics = RouterMetrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.metrics_host)
