@@ -36,6 +36,16 @@ class RouterMetrics:
         self.errors = Counter("ppd_request_errors", "Requests that ended in an error", ["kind"],
                               registry=self.registry)
 
+        self._decision_children: dict[tuple[str, str, str], object] = {}
+
+    def count_decision(self, route: str, turn: str, reason: str) -> None:
+        """`decisions.labels(...).inc()`, with the labelled child looked up once (hot path)."""
+        key = (route, turn, reason)
+        child = self._decision_children.get(key)
+        if child is None:
+            child = self._decision_children[key] = self.decisions.labels(route, turn, reason)
+        child.inc()  # type: ignore[attr-defined]
+
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
 

@@ -10,7 +10,6 @@ turn through a P to another D; a gone P makes the turn decode-local when D holds
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -197,8 +196,7 @@ class PpdRouter:
         plan.prefill, cached_p = self._pick_prefill(residency_chain, len(tokens))
         self._select_table(len(self.clients["prefill"].instance_ids()), len(decode_ids))
         best = self._pick_decode(decode_ids)
-        features = self._features(plan, request, session_decode, cached_d, plan.prefill, cached_p)
-        features = dataclasses.replace(features, best_decode_load=self.loads.of(best, self.reports.get(best)))
+        features = self._features(plan, request, session_decode, cached_d, plan.prefill, cached_p, best)
         history = record.context_tokens if record and session_decode is not None else 0
         decision = self.policy.decide(features, history_tokens=history)
         if forced and session_decode is not None and turn > 1:
@@ -234,12 +232,12 @@ class PpdRouter:
 
     def _decided(self, plan: _Plan, started: float) -> _Plan:
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        self.metrics.decisions.labels(plan.decision.route.value, "first" if plan.turn == 1 else "follow_up",
-                                      plan.decision.reason).inc()
+        self.metrics.count_decision(plan.decision.route.value, "first" if plan.turn == 1 else "follow_up",
+                                    plan.decision.reason)
         return plan
 
     def _features(self, plan: _Plan, request: dict, decode: int | None, cached_d: int,
-                  prefill: int | None, cached_p: int) -> RequestFeatures:
+                  prefill: int | None, cached_p: int, best_decode: int | None = None) -> RequestFeatures:
         stop = request.get("stop_conditions") or {}
         return RequestFeatures(
             decision_key=f"{plan.session_id}:{plan.turn}", turn=plan.turn, prompt_tokens=plan.prompt_tokens,
@@ -248,7 +246,9 @@ class PpdRouter:
             has_session_decode=decode is not None,
             decode_load=self.loads.of(decode, self.reports.get(decode) if decode is not None else None),
             prefill_load=self.loads.of(prefill, self.reports.get(prefill) if prefill is not None else None),
-            qps=self.rate.rate(time.monotonic()))
+            qps=self.rate.rate(time.monotonic()),
+            best_decode_load=(self.loads.of(best_decode, self.reports.get(best_decode))
+                              if best_decode is not None else None))
 
     def _select_table(self, prefill_workers: int, decode_workers: int) -> None:
         """``--table auto``: the table shipped for the profile and the live P:D configuration
