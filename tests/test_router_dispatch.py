@@ -130,3 +130,26 @@ def test_no_decode_worker_is_a_503_and_no_tokens_a_4xx():
             await turn(router, [])
 
     asyncio.run(run())
+
+
+def test_hybrid_places_new_conversations_on_replicas_and_keeps_them_there():
+    from dynamo._core import compute_block_hash_for_seq
+
+    async def run():
+        config = parse_args(["--mode", "ppd", "--replica-component", "replica", "--table", "none"])
+        router = PpdRouter(None, config, build_policy(config), RouterMetrics())
+        router._hash = compute_block_hash_for_seq
+        replica = FakeClient([5], "decode")  # the lowest id: the least loaded on a tie
+        router.clients = {"prefill": FakeClient([PREFILL], "prefill"),
+                          "decode": FakeClient([D1, D2], "decode"), "replica": replica}
+        first = list(range(2000, 2300))
+        out = await turn(router, first, session="h")
+        await turn(router, first + out + list(range(3000, 3040)), session="h")
+        assert [w for w, _ in replica.sent] == [5, 5]  # both turns, no P/D involved
+        assert all("prefill_result" not in r and r["annotations"] == [] for _, r in replica.sent)
+        assert router.clients["prefill"].sent == [] and router.clients["decode"].sent == []
+        router.loads.inflight[5] = 3  # now busier than the decode workers
+        await turn(router, list(range(4000, 4200)), session="other")
+        assert router.clients["prefill"].sent  # a new conversation goes P -> D instead
+
+    asyncio.run(run())

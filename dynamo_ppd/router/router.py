@@ -186,6 +186,8 @@ class PpdRouter:
             plan.decode = self._pick_replica(residency_chain)
             plan.decision = self.policy.decide(self._features(plan, request, None, 0, None, 0), 0)
             return self._decided(plan, started)
+        if await self._hybrid(plan, record, session_id):
+            return self._decided(plan, started)
 
         decode_ids = self.clients["decode"].instance_ids()
         if not decode_ids:
@@ -290,6 +292,27 @@ class PpdRouter:
         if not candidates:
             raise NoWorkers("no decode worker is available")
         return min(candidates, key=lambda w: (self.loads.inflight[w], self.loads.context_tokens[w], w))
+
+    async def _hybrid(self, plan: _Plan, record: SessionRecord | None, session_id: str) -> bool:
+        """Hybrid (aggregated "replica" workers beside P/D, ``--replica-component``): a conversation
+        placed on a replica stays there (prefill and decode with prefix reuse, no transfers); a new
+        one goes to the least loaded of the replicas and the decode workers. True: the plan is set."""
+        replica_ids = self.clients["replica"].instance_ids() if "replica" in self.clients else []
+        if not replica_ids:
+            return False
+        if record is not None and record.decode_worker is not None and record.decode_worker in replica_ids:
+            plan.decode, plan.decision = record.decode_worker, Decision(Route.REPLICA, "replica_session")
+            return True
+        if record is not None:
+            return False
+        candidates = replica_ids + self.clients["decode"].instance_ids()
+        chosen = min(candidates, key=lambda w: (self.loads.inflight[w], self.loads.context_tokens[w], w))
+        if chosen not in replica_ids:
+            return False
+        plan.decode, plan.decision = chosen, Decision(Route.REPLICA, "hybrid_new_conversation")
+        await self.sessions.claim(SessionRecord(session_id=session_id, decode_worker=chosen,
+                                                last_access=time.time()))
+        return True
 
     def _pick_replica(self, chain: list[int]) -> int:
         ids = self.clients["replica"].instance_ids() if "replica" in self.clients else []
