@@ -38,8 +38,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:  # a clear line instead of a traceback on a machine without PyTorch
+    sys.exit("gpu_calibrate.py needs PyTorch (a GPU node's TensorRT-LLM image has it; for a CPU "
+             "check: pip install torch, then --tiny --device cpu)")
 
 
 @dataclass(frozen=True)
