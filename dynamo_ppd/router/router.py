@@ -82,6 +82,7 @@ class PpdRouter:
         self.clients: dict[str, Any] = {}
         self._nats: Any = None
         self._table_config: str | None = None
+        self._background: set[asyncio.Task] = set()  # session writes in flight
 
     async def start(self) -> None:
         import nats
@@ -399,7 +400,12 @@ class PpdRouter:
         record = SessionRecord(session_id=plan.session_id, decode_worker=plan.decode,
                                prefill_worker=plan.prefill, turn=plan.turn, context_tokens=len(history),
                                history_hash=history_hash, last_access=time.time())
-        await self.sessions.save(record)
+        # The local table is updated now (the next turn may arrive as soon as the client has the
+        # answer); the etcd write runs in the background instead of holding the stream open.
+        self.sessions.table.put(record)
+        task = asyncio.get_running_loop().create_task(self.sessions.save(record))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
         self.metrics.sessions_active.set(len(self.sessions.table))
 
 
