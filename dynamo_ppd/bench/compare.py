@@ -34,17 +34,23 @@ from .manifest import Manifest, load_manifest, scale_arrivals
 SYSTEMS = ("agg", "pd", "cond-disagg", "local", "ppd")
 
 
+def ppd_graph_with_mode(mode: str, workdir: Path) -> str:
+    """The bundled ppd graph with the router's ``--mode`` set, written under ``workdir``."""
+    _, path = load_graph("ppd")
+    text = path.read_text()
+    default = '"--mode", "ppd"'
+    if default not in text:
+        raise ValueError(f"{path}: the router's {default} is not in the graph; cannot set the mode")
+    out = workdir / f"ppd-mode-{mode}.yaml"
+    out.write_text(text.replace(default, f'"--mode", "{mode}"'))
+    return str(out)
+
+
 def _graph(system: str, workdir: Path) -> str:
     """The graph a system runs: a bundled one, or ppd with the router's mode set."""
     if system in ("agg", "pd", "cond-disagg"):
         return system
-    _, path = load_graph("ppd")
-    text = path.read_text()
-    if system == "local":
-        text = text.replace('"--mode", "ppd"', '"--mode", "local"')
-    out = workdir / f"{system}.yaml"
-    out.write_text(text)
-    return str(out)
+    return ppd_graph_with_mode("local" if system == "local" else "ppd", workdir)
 
 
 def replicas(system: str, config: str) -> dict[str, int]:

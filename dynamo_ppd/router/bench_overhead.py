@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from ..bench.compare import ppd_graph_with_mode
 from ..launch import ServeOptions, start
-from ..launch.graph import load_graph
 from ..launch.process import free_port
 
 
@@ -38,13 +38,9 @@ def _ttft_ms(base_url: str, model: str, prompt: str, max_tokens: int) -> float:
 
 def _graph_file(name: str, workdir: Path) -> str:
     """The bundled graph; for ppd, with the router's mode set to pd (the same route as `pd`)."""
-    _, path = load_graph(name)
     if name != "ppd":
-        return str(path)
-    text = path.read_text().replace('"--mode", "ppd"', '"--mode", "pd"')
-    out = workdir / "ppd-mode-pd.yaml"
-    out.write_text(text)
-    return str(out)
+        return name
+    return ppd_graph_with_mode("pd", workdir)
 
 
 def run(graph: str, requests: int, prompt_words: int, max_tokens: int, workdir: Path) -> list[float]:

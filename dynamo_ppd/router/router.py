@@ -196,8 +196,9 @@ class PpdRouter:
         session_decode = record.decode_worker if record and record.decode_worker in decode_ids else None
         rehome = record is not None and record.decode_worker is not None and session_decode is None
         cached_d = self.residency.held_blocks(session_decode, residency_chain) * cfg.block_size
-        plan.prefill, cached_p = self._pick_prefill(residency_chain, len(tokens))
-        self._select_table(len(self.clients["prefill"].instance_ids()), len(decode_ids))
+        prefill_ids = self.clients["prefill"].instance_ids()
+        plan.prefill, cached_p = self._pick_prefill(prefill_ids, residency_chain, len(tokens))
+        self._select_table(len(prefill_ids), len(decode_ids))
         best = self._pick_decode(decode_ids)
         features = self._features(plan, request, session_decode, cached_d, plan.prefill, cached_p, best)
         history = record.context_tokens if record and session_decode is not None else 0
@@ -272,10 +273,9 @@ class PpdRouter:
         log.info("P:D configuration %s: %s", config, f"table {path.name}" if table else
                  "no shipped table, deciding from the engine profile's predictions")
 
-    def _pick_prefill(self, chain: list[int], prompt_tokens: int) -> tuple[int | None, int]:
+    def _pick_prefill(self, ids: list[int], chain: list[int], prompt_tokens: int) -> tuple[int | None, int]:
         """The prefill worker with the least work for this prompt: tokens it does not hold plus the
         prompt tokens already queued on it (KV overlap and load, as Dynamo's KV router weighs)."""
-        ids = self.clients["prefill"].instance_ids()
         if not ids:
             return None, 0
         cached = self.residency.held_by_worker(chain, ids)
