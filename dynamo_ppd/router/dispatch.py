@@ -8,6 +8,14 @@
 - replica: the request goes unchanged to an aggregated worker.
 
 The incoming request context is passed down, so a client that goes away cancels the work.
+
+Errors come back from Dynamo's request plane as plain exceptions whose text starts with the kind
+(seen with Dynamo 1.6.1: ``ValueError('InvalidRequest: ValueError: ...')`` when the worker's
+handler rejects the request, ``ValueError('Unavailable: Stream ended before generation
+completed')`` when the worker dies mid-answer, ``Exception('Unavailable: TCP connection to ...
+failed')`` when it is gone). A rejection is the request's fault (`WorkerRejected`: the client's
+4xx, never retried); anything else is the worker's (`WorkerFailed`: retried elsewhere, mid-answer
+too, by the router's migration).
 """
 
 from __future__ import annotations
@@ -20,11 +28,35 @@ from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
 
 
 class WorkerFailed(Exception):
-    """A worker could not be reached or broke off before the first token (safe to retry)."""
+    """A worker could not be reached or broke off (``started``: after some of the answer)."""
 
-    def __init__(self, worker: int, cause: Exception):
+    def __init__(self, worker: int, cause: Exception, started: bool = False):
         super().__init__(f"worker {worker:x}: {cause}")
         self.worker = worker
+        self.started = started
+
+
+class WorkerRejected(Exception):
+    """The worker refused the request itself (its validation): the client's error, not retried."""
+
+    def __init__(self, worker: int, cause: Exception):
+        message = str(cause)
+        for prefix in ("InvalidRequest:", "InvalidArgument:", "ValueError:"):
+            message = message.removeprefix(prefix).strip()
+        super().__init__(message or "the worker rejected the request")
+        self.worker = worker
+
+
+_REJECTED = ("InvalidRequest", "InvalidArgument")
+
+
+def classify(worker: int, exc: Exception, started: bool = False) -> Exception:
+    """The exception a worker's error becomes: `WorkerRejected` or `WorkerFailed`."""
+    if isinstance(exc, WorkerFailed | WorkerRejected):
+        return exc
+    if str(exc).startswith(_REJECTED) or type(exc).__name__ == "InvalidArgument":
+        return WorkerRejected(worker, exc)
+    return WorkerFailed(worker, exc, started)
 
 
 async def _open(client, request: dict, worker: int, context) -> AsyncIterator[dict]:
@@ -33,13 +65,15 @@ async def _open(client, request: dict, worker: int, context) -> AsyncIterator[di
             return await client.direct(request, worker, annotated=False, context=context)
         return await client.direct(request, worker, annotated=False)
     except Exception as exc:  # noqa: BLE001 (connection errors come in several Dynamo types)
-        raise WorkerFailed(worker, exc) from exc
+        raise classify(worker, exc) from exc
 
 
 async def prefill_then_decode(prefill_client, decode_client, request: dict[str, Any], prefill: int,
-                              decode: Callable[[], Awaitable[int]], context) -> AsyncIterator[dict]:
+                              decode: Callable[[], Awaitable[int]], context,
+                              prefill_done: Callable[[], None] = lambda: None) -> AsyncIterator[dict]:
     """``decode`` is asked for the decode worker only once the prefill is done, so whatever
-    settles it (a new session's etcd claim) overlaps with the prefill."""
+    settles it (a new session's etcd claim) overlaps with the prefill. ``prefill_done`` is called
+    once the prefill leg is over, however it ended (the prefill worker's load is released then)."""
     prefill_request = copy.deepcopy(request)
     prefill_request.setdefault("stop_conditions", {})["max_tokens"] = 1
     params, details = None, None
@@ -51,10 +85,10 @@ async def prefill_then_decode(prefill_client, decode_client, request: dict[str, 
             params = chunk.get("disaggregated_params") or params
             usage = chunk.get("completion_usage") or {}
             details = usage.get("prompt_tokens_details") or details
-    except WorkerFailed:
-        raise
     except Exception as exc:  # noqa: BLE001
-        raise WorkerFailed(prefill, exc) from exc
+        raise classify(prefill, exc) from exc
+    finally:
+        prefill_done()
     if params is None:
         raise WorkerFailed(prefill, RuntimeError("prefill worker returned no disaggregated_params"))
     decode_request = dict(request)
@@ -76,15 +110,12 @@ async def replica(client, request: dict[str, Any], worker: int, context) -> Asyn
 
 
 async def _stream(client, request: dict, worker: int, context) -> AsyncIterator[dict]:
-    """Relay a worker's stream; failures before its first chunk are `WorkerFailed` (retryable)."""
+    """Relay a worker's stream; its errors become `WorkerRejected` or `WorkerFailed` (with
+    ``started`` once a chunk went out, so the router can continue the answer elsewhere)."""
     started = False
     try:
         async for chunk in await _open(client, request, worker, context):
             started = True
             yield chunk
-    except WorkerFailed:
-        raise
     except Exception as exc:  # noqa: BLE001
-        if not started:
-            raise WorkerFailed(worker, exc) from exc
-        raise
+        raise classify(worker, exc, started) from exc

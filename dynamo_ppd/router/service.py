@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from .. import model as model_dir
 from ..engine.profile import load_profile
@@ -10,6 +11,7 @@ from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.table import load_table
 from ..runtime import create_runtime
 from .args import RouterConfig, parse_args
+from .limits import WorkerCards, read_context_window
 from .metrics import RouterMetrics
 from .router import PpdRouter
 
@@ -38,6 +40,13 @@ async def serve(config: RouterConfig) -> None:
     path = config.model_path or model_dir.default_model_dir()
     if not model_dir.is_complete(path):
         model_dir.init_model_dir(path)
+    router.limits.context_window = read_context_window(path)
+    # The decode workers' KV capacity, from the model cards they register with Dynamo's discovery.
+    discovery_etcd = os.environ.get("ETCD_ENDPOINTS", config.etcd_url).split(",")[0]
+    cards = None
+    if os.environ.get("DYN_DISCOVERY_BACKEND", "etcd") == "etcd":
+        cards = WorkerCards(router.limits, discovery_etcd, config.workers_namespace, config.decode_component)
+        await cards.start()
     name = config.served_model_name or model_dir.load_model_info(path).served_model_name
     endpoint = runtime.endpoint(f"{config.namespace}.router.generate")
     runtime_config = ModelRuntimeConfig()
@@ -50,6 +59,8 @@ async def serve(config: RouterConfig) -> None:
     try:
         await endpoint.serve_endpoint(router.generate, graceful_shutdown=True)
     finally:
+        if cards is not None:
+            await cards.stop()
         await router.stop()
 
 
