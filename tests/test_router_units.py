@@ -100,20 +100,6 @@ def test_profile_predictions_follow_the_cost_model():
     assert local.ttft_s < via.ttft_s  # appending 50 tokens beats re-prefilling 2000 and sending them
 
 
-def test_session_table_finds_longest_known_prefix():
-    table = SessionTable()
-    history = list(range(100, 900))  # 25 blocks
-    chain = chained_block_hashes(list(range(len(history) // 32)))
-    table.put(SessionRecord("short", history_hash=chain[9], decode_worker=1))
-    table.put(SessionRecord("long", history_hash=chain[19], decode_worker=2))
-    assert table.find_by_prefix(chain).session_id == "long"
-    assert table.find_by_prefix(chain[:15]).session_id == "short"
-    assert table.find_by_prefix(chained_block_hashes([7, 8, 9])) is None
-    table.put(SessionRecord("long", history_hash=chain[24], decode_worker=2))  # next turn
-    assert table.find_by_prefix(chain[:20]).session_id == "short"  # old index entry gone
-    assert table.expire(now=10_000.0, ttl_s=60) == 2 and len(table) == 0
-
-
 def test_session_record_round_trips_and_rejects_unknown_fields():
     record = SessionRecord("s1", decode_worker=7, prefill_worker=3, turn=2, context_tokens=900,
                            history_hash=12345, last_access=1.5)

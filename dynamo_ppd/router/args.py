@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..engine.profile import DEFAULT_PROFILE
 from ..policy.decision import Mode
+from .sessions import DEFAULT_MAX_SESSIONS
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class RouterConfig:
     default_max_tokens: int
     session_ttl_s: float
     session_prefix: str
+    max_sessions: int
     min_resident_fraction: float
     etcd_url: str
     nats_url: str
@@ -47,6 +49,13 @@ def _weights(text: str) -> tuple[float, float]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return weights.w_ttft, weights.w_tpot
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
 
 
 def _fraction(text: str) -> float:
@@ -97,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-ttl", type=float, default=3600.0,
                    help="seconds a session stays after its last turn (an etcd lease)")
     p.add_argument("--session-prefix", default="ppd", help="etcd key prefix of the sessions")
+    p.add_argument("--max-sessions", type=_positive, default=DEFAULT_MAX_SESSIONS,
+                   help="sessions kept (locally and in etcd); past it the least recently used go "
+                   "(ppd_sessions_evicted_total)")
     p.add_argument("--min-resident-fraction", type=_fraction, default=0.5,
                    help="a follow-up is decode-local only if its decode worker still holds this "
                    "share of the history; less means evicted, and the turn goes via prefill")
@@ -130,5 +142,6 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         replica_component=a.replica_component, model_path=a.model_path,
         served_model_name=a.served_model_name, block_size=a.block_size,
         default_max_tokens=a.default_max_tokens, session_ttl_s=a.session_ttl,
-        session_prefix=a.session_prefix, min_resident_fraction=a.min_resident_fraction,
+        session_prefix=a.session_prefix, max_sessions=a.max_sessions,
+        min_resident_fraction=a.min_resident_fraction,
         etcd_url=a.etcd_url, nats_url=a.nats_url, metrics_port=a.metrics_port, metrics_host=a.metrics_host)

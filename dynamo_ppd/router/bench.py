@@ -15,12 +15,12 @@ import random
 import statistics
 import time
 
-from ..engine.kv_cache import chained_block_hashes
 from .args import parse_args
 from .metrics import RouterMetrics
+from .residency import prefix_chain
 from .router import PpdRouter
 from .service import build_policy
-from .sessions import SessionRecord
+from .sessions import SessionRecord, history_hashes
 
 
 class _Instances:
@@ -49,9 +49,10 @@ def build(num_sessions: int, history_tokens: int, mode: str, seed: int = 0):
         blocks = [{"block_hash": (i << 20) + b, "tokens_hash": h} for b, h in enumerate(local)]
         router.residency.apply(decode, {"event_id": i, "data": {"stored": {"parent_hash": None,
                                                                           "blocks": blocks}}})
+        anchor, digest = history_hashes(prefix_chain(local), history, config.block_size)
         router.sessions.table.put(SessionRecord(
             f"s{i}", decode_worker=decode, prefill_worker=1, turn=1, context_tokens=len(history),
-            history_hash=chained_block_hashes(local)[-1], last_access=time.time()))
+            history_hash=anchor, history_digest=digest, last_access=time.time()))
         histories.append(history)
     return router, histories
 

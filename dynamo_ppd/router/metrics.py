@@ -28,6 +28,16 @@ class RouterMetrics:
         self.session_moves = Counter(
             "ppd_session_moves", "Via-prefill turns moved off a hot decode worker to a cooler one",
             registry=self.registry)
+        self.sessions_evicted = Counter(
+            "ppd_sessions_evicted", "Sessions dropped past --max-sessions (least recently used first)",
+            registry=self.registry)
+        self.session_forks = Counter(
+            "ppd_session_forks", "Turns under a session id whose prompt did not continue its history",
+            registry=self.registry)
+        self.request_rate = Gauge("ppd_request_rate", "Requests/s of all router replicas (the policy's QPS)",
+                                  registry=self.registry)
+        self.request_rate_local = Gauge("ppd_request_rate_local", "Requests/s this router replica sees",
+                                        registry=self.registry)
         self.etcd_up = Gauge("ppd_etcd_up", "1 while etcd answers", registry=self.registry)
         self.nats_up = Gauge("ppd_nats_up", "1 while the KV event subscription is connected",
                              registry=self.registry)
@@ -45,6 +55,10 @@ class RouterMetrics:
         if child is None:
             child = self._decision_children[key] = self.decisions.labels(route, turn, reason)
         child.inc()  # type: ignore[attr-defined]
+
+    def set_rates(self, local: float, shared: float) -> None:
+        self.request_rate_local.set(local)
+        self.request_rate.set(shared)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -21,7 +21,6 @@ from typing import Any
 import msgspec
 
 from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
-from ..engine.kv_cache import chain_hash, chained_block_hashes
 from ..engine.profile import load_profile
 from ..policy.decision import Decision, Policy, RequestFeatures, Route, WorkerLoad, moves_to_best
 from ..policy.qps import SlidingWindowRate
@@ -29,8 +28,17 @@ from ..policy.table import bundled_table, load_table
 from . import dispatch
 from .args import RouterConfig
 from .metrics import RouterMetrics, debug_line
+from .rate_share import RatePublisher, SharedRate
 from .residency import Residency, kv_events_subject, prefix_chain
-from .sessions import EtcdSessions, SessionRecord
+from .sessions import (
+    AUTO_PREFIX,
+    FORK_SEPARATOR,
+    EtcdSessions,
+    SessionRecord,
+    check_session_id,
+    history_hashes,
+    is_fork_of,
+)
 
 log = logging.getLogger("dynamo_ppd.router")
 
@@ -75,10 +83,14 @@ class PpdRouter:
         self.metrics = metrics
         self.residency = Residency(config.block_size)
         self.sessions = EtcdSessions(config.etcd_url, config.session_prefix, config.session_ttl_s,
-                                     on_health=lambda up: metrics.etcd_up.set(1 if up else 0))
+                                     on_health=lambda up: metrics.etcd_up.set(1 if up else 0),
+                                     block_size=config.block_size, max_sessions=config.max_sessions,
+                                     on_evict=metrics.sessions_evicted.inc)
         self.loads = _Loads()
         self.reports: dict[int, dict] = {}  # latest forward-pass metrics per worker
-        self.rate = SlidingWindowRate(window_s=10.0)
+        # The policy reads the rate of all router replicas together (each publishes its own).
+        self.rate = SharedRate(SlidingWindowRate(window_s=10.0))
+        self._rate_publisher = RatePublisher(self.rate, config.namespace, on_publish=metrics.set_rates)
         self.clients: dict[str, Any] = {}
         self._nats: Any = None
         self._table_config: str | None = None
@@ -123,9 +135,11 @@ class PpdRouter:
             await self._nats.subscribe(kv_events_subject(ns, component, topic="forward-pass-metrics"),
                                        cb=on_load_report)
         await self.sessions.start()
+        await self._rate_publisher.start(self._nats)
 
     async def stop(self) -> None:
-        await self.sessions.stop()
+        await self._rate_publisher.stop()
+        await self.sessions.stop()  # flushes pending session writes
         if self._nats is not None:
             await self._nats.close()
 
@@ -174,14 +188,10 @@ class PpdRouter:
         local_hashes = self._hash(tokens, cfg.block_size)
         residency_chain = prefix_chain(local_hashes)
         header_id = (request.get("agent_context") or {}).get("session_id")
-        # Chained prefix hashes are only needed on the decision path to find a session without a
-        # header; otherwise they are computed after the answer, when the turn is recorded.
-        chained = None if header_id else chained_block_hashes(local_hashes)
-        record = self.sessions.get(header_id) if header_id else self.sessions.find_by_prefix(chained or [])
-        session_id = header_id or (record.session_id if record else f"auto-{uuid.uuid4().hex}")
-        turn = record.turn + 1 if record else 1
+        record, session_id, turn = await self._find_session(header_id, tokens, residency_chain)
+        by_residency = record is None and turn > 1  # a fork: routed by residency (`_find_session`)
         plan = _Plan(session_id=session_id, turn=turn, prompt_tokens=len(tokens),
-                     local_hashes=local_hashes, chained=chained)
+                     local_hashes=local_hashes, chained=residency_chain)
 
         if cfg.mode.value == "replica":
             plan.decode = self._pick_replica(residency_chain)
@@ -194,6 +204,8 @@ class PpdRouter:
         if not decode_ids:
             raise NoWorkers("no decode worker is available; start one (or wait for it to register)")
         session_decode = record.decode_worker if record and record.decode_worker in decode_ids else None
+        if by_residency:
+            session_decode = self._residency_home(decode_ids, residency_chain)
         rehome = record is not None and record.decode_worker is not None and session_decode is None
         cached_d = self.residency.held_blocks(session_decode, residency_chain) * cfg.block_size
         prefill_ids = self.clients["prefill"].instance_ids()
@@ -386,6 +398,42 @@ class PpdRouter:
         plan.prefill = min(prefill_ids, key=lambda w: (self.loads.prefill_tokens[w], w))
         plan.decision = Decision(Route.VIA_PREFILL, "rehome")
 
+    async def _find_session(self, header_id: str | None, tokens: list[int], chain: list[int]
+                            ) -> tuple[SessionRecord | None, str, int]:
+        """The turn's session: (its record, None for a new one; its id; the turn's number).
+
+        Without a header: the session whose whole history the prompt continues, else a new one.
+        With header X: X's record (from etcd when this replica has not seen it yet: another
+        replica may have recorded the previous turn a moment ago) when the prompt continues its
+        history; else the prompt is another conversation under X's id (a spoofed or reused id, an
+        edited or regenerated turn): a fork ``X#...`` whose history it continues, else a new fork.
+        A new fork has no record (X's is never touched, so X's owner keeps its decode worker and
+        its next turn matches) and is routed by residency, as a follow-up of whatever history the
+        decode workers hold (turn X's + 1: the number the client implied); its own record is then
+        written under the fork's id, where its next turn finds it."""
+        check_session_id(header_id)
+        if header_id is None:
+            record = self.sessions.find_by_prefix(chain, tokens)
+            if record is None:
+                return None, f"{AUTO_PREFIX}{uuid.uuid4().hex}", 1
+            return record, record.session_id, record.turn + 1
+        record = self.sessions.get(header_id) or await self.sessions.read_through(header_id)
+        if record is None:
+            return None, header_id, 1
+        if self.sessions.table.continues(record, chain, tokens):
+            return record, header_id, record.turn + 1
+        self.metrics.session_forks.inc()
+        fork = self.sessions.find_by_prefix(chain, tokens, accept=lambda s: is_fork_of(s, header_id))
+        if fork is not None:
+            return fork, fork.session_id, fork.turn + 1
+        return None, f"{header_id}{FORK_SEPARATOR}{uuid.uuid4().hex[:12]}", record.turn + 1
+
+    def _residency_home(self, decode_ids: list[int], chain: list[int]) -> int | None:
+        """The decode worker holding the longest prefix of the prompt (None: none holds any)."""
+        held = self.residency.held_by_worker(chain, decode_ids)
+        best = max(decode_ids, key=lambda w: (held[w], -self.loads.inflight[w], -w), default=None)
+        return best if best is not None and held[best] > 0 else None
+
     async def _record_turn(self, plan: _Plan, prompt: list[int], output: list[int]) -> None:
         """The turn is done: its decode worker now holds prompt + output; remember that."""
         history = prompt + output
@@ -393,19 +441,14 @@ class PpdRouter:
         known = len(plan.local_hashes)
         # The history's blocks: the prompt's full blocks, then those the output completed.
         local = plan.local_hashes + self._hash(history[known * bs:len(history) // bs * bs], bs)
-        chained = plan.chained if plan.chained is not None else chained_block_hashes(plan.local_hashes)
-        history_hash = chained[-1] if chained else None
-        for block in local[known:]:
-            history_hash = chain_hash(history_hash, block)
+        history_hash, digest = history_hashes(prefix_chain(local), history, bs)
         record = SessionRecord(session_id=plan.session_id, decode_worker=plan.decode,
                                prefill_worker=plan.prefill, turn=plan.turn, context_tokens=len(history),
-                               history_hash=history_hash, last_access=time.time())
-        # The local table is updated now (the next turn may arrive as soon as the client has the
-        # answer); the etcd write runs in the background instead of holding the stream open.
-        self.sessions.table.put(record)
-        task = asyncio.get_running_loop().create_task(self.sessions.save(record))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+                               history_hash=history_hash, history_digest=digest, last_access=time.time())
+        # In etcd before the answer's stream ends (unless etcd is slow: `commit`), so a follow-up
+        # the client sends to another router replica finds it there; this costs end-of-stream
+        # latency, not TTFT.
+        await self.sessions.commit(record)
         self.metrics.sessions_active.set(len(self.sessions.table))
 
 
@@ -417,7 +460,7 @@ class _Plan:
     turn: int
     prompt_tokens: int
     local_hashes: list[int]  # Dynamo's per-block token hashes of the prompt
-    chained: list[int] | None  # chained prefix hashes of the prompt, when already computed
+    chained: list[int] | None  # prefix ids (`residency.prefix_chain`) of the prompt's full blocks
     decision: Decision = Decision(Route.VIA_PREFILL, "undecided")
     prefill: int | None = None
     decode: int = 0  # the decode (or aggregated) worker

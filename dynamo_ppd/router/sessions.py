@@ -2,14 +2,38 @@
 
 - `SessionRecord` is the one schema of a session (msgpack in etcd, one key per session under
   ``{prefix}/sessions/``), with an etcd lease as its idle TTL, refreshed on every turn.
-- `SessionTable` (pure) is the local cache: records by id, plus an index from the hash of the
-  last full block of each session's known history to the session, so a prompt that only resends
-  the history (no ``x-dynamo-session-id``) finds its session by its longest known prefix.
-- `EtcdSessions` keeps the table in sync with etcd (initial load, then a watch, so every router
-  replica sees every session) and settles the first-turn race between replicas with a
-  transaction: the first writer wins and the other adopts its record. If etcd goes away, routing
-  continues from the local table (logged once); changes made meanwhile are written back and the
-  table reloaded when etcd returns.
+- `SessionTable` (pure, no I/O) is the local cache: records by id in LRU order, bounded
+  (``--max-sessions``), plus an index of each session's *whole* recorded history, so a prompt that
+  resends a history (no ``x-dynamo-session-id``) finds its session, and only its own.
+- `EtcdSessions` keeps the table in sync with etcd (a paged initial load, then a watch, so every
+  router replica sees every session), settles the first-turn race between replicas with a
+  transaction (the first writer wins, the other adopts its record), reads a header's session
+  through from etcd when the local table misses it, and replaces leases that are gone. If etcd
+  goes away, routing continues from the local table (logged once); changes made meanwhile are
+  written back and the table reloaded when etcd returns, and on shutdown.
+
+When does a prompt continue a recorded history?
+    Only when the whole history (prompt + output of the session's last turn, ``context_tokens``
+    tokens) is a prefix of the prompt, token for token. A record keeps two hashes of its history:
+    ``history_hash``, the prefix id (`residency.prefix_chain`) of its last full block (``None``
+    with no full block), and ``history_digest``, that id hashed with the tokens after the last
+    full block (the partial tail). A prompt matches when its own prefix id at that block equals
+    ``history_hash`` and its tokens at the same offsets hash to ``history_digest``. Matching the
+    last full block alone is not enough: with a shared 320-token system prompt and a short first
+    exchange, a history's full blocks can all be system prompt, identical for every user, and
+    user B's first request became turn 2 of user A. The tail (A's own message and answer) tells
+    them apart; histories identical token for token are the same conversation as far as any
+    router can tell. Among matches the longest history wins. The prefix ids are CPython's
+    int-tuple hashes (what the residency index already computes for the prompt, so the lookup
+    adds no hashing of full blocks): stable across processes and CPython >= 3.8; a replica on
+    another interpreter would only miss sessions (routed by residency), never merge them.
+
+Who may match whom (so no request can change another conversation's record):
+    - a request without a header matches only sessions without one (``auto-...`` ids);
+    - a request with header ``X`` matches ``X``'s record if its prompt continues that history,
+      else a fork of ``X`` (``X#...``, see below) whose history it continues, else nothing.
+    Index entries are sets of session ids, and a session removes only its own id (two sessions
+    with the same history, or a record replaced by its next turn, never take another's entry).
 """
 
 from __future__ import annotations
@@ -17,12 +41,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 log = logging.getLogger("dynamo_ppd.router.sessions")
+
+MAX_SESSION_ID_BYTES = 256  # longer ids get HTTP 400 (10 kB ones were stored once)
+AUTO_PREFIX = "auto-"  # ids of sessions without a header
+FORK_SEPARATOR = "#"  # X#... : a conversation sent under X whose prompt did not continue X's history
+DEFAULT_MAX_SESSIONS = 100_000
+LOAD_PAGE = 1000  # records per etcd range request on load (gRPC's 4 MiB limit broke one get)
+SAVE_WAIT_S = 0.5  # how long a turn's end waits for its etcd write before leaving it in the background
+_ROOT = 0
 
 
 class SessionRecord(msgspec.Struct, forbid_unknown_fields=True):
@@ -31,8 +65,9 @@ class SessionRecord(msgspec.Struct, forbid_unknown_fields=True):
     prefill_worker: int | None = None
     turn: int = 0  # turns completed
     context_tokens: int = 0  # prompt + output tokens of the last completed turn
-    history_hash: int | None = None  # chained hash of the history's last full block
+    history_hash: int | None = None  # prefix id of the history's last full block
     last_access: float = 0.0  # unix time
+    history_digest: int | None = None  # the whole history: history_hash and the tokens after it
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -47,36 +82,108 @@ def decode(data: bytes) -> SessionRecord:
     return _decoder.decode(data)
 
 
+def check_session_id(session_id: str | None) -> None:
+    """A client's session id must be short: raise `InvalidArgument` (HTTP 400) otherwise."""
+    if session_id is not None and len(session_id.encode()) > MAX_SESSION_ID_BYTES:
+        from dynamo.llm.exceptions import InvalidArgument
+
+        raise InvalidArgument(f"x-dynamo-session-id is {len(session_id.encode())} bytes; "
+                              f"the limit is {MAX_SESSION_ID_BYTES}")
+
+
+def tail_digest(anchor: int | None, tail: list[int]) -> int:
+    """Hash of a history's tokens after its last full block, chained to that block's prefix id."""
+    return hash((anchor or _ROOT, len(tail), array("q", tail).tobytes()))
+
+
+def history_hashes(chain: list[int], tokens: list[int], block_size: int) -> tuple[int | None, int]:
+    """(history_hash, history_digest) of a history, given its full blocks' prefix ids."""
+    full = len(tokens) // block_size
+    anchor = chain[full - 1] if full else None
+    return anchor, tail_digest(anchor, tokens[full * block_size:])
+
+
+def is_fork_of(session_id: str, header_id: str) -> bool:
+    return session_id.startswith(header_id + FORK_SEPARATOR)
+
+
 class SessionTable:
-    def __init__(self) -> None:
-        self._records: dict[str, SessionRecord] = {}
-        self._by_history: dict[int, str] = {}
+    """Records by id (least recently used first) and the index of their whole histories."""
+
+    def __init__(self, block_size: int = 32, max_sessions: int = DEFAULT_MAX_SESSIONS,
+                 on_evict: Callable[[SessionRecord], None] | None = None):
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
+        self.block_size = block_size
+        self.max_sessions = max_sessions
+        self.on_evict = on_evict
+        self.evicted = 0
+        self._records: OrderedDict[str, SessionRecord] = OrderedDict()
+        # (history_hash or root, tail length, digest) -> session ids (insertion order: last = newest)
+        self._index: dict[tuple[int, int, int], dict[str, None]] = {}
+        self._tails: dict[int, Counter[int]] = {}  # anchor -> tail lengths indexed under it
 
     def __len__(self) -> int:
         return len(self._records)
 
     def get(self, session_id: str) -> SessionRecord | None:
-        return self._records.get(session_id)
+        record = self._records.get(session_id)
+        if record is not None:
+            self._records.move_to_end(session_id)
+        return record
 
     def put(self, record: SessionRecord) -> None:
-        old = self._records.get(record.session_id)
-        if old is not None and old.history_hash is not None:
-            self._by_history.pop(old.history_hash, None)
+        old = self._records.pop(record.session_id, None)
+        if old is not None:
+            self._unindex(old)
         self._records[record.session_id] = record
-        if record.history_hash is not None:
-            self._by_history[record.history_hash] = record.session_id
+        self._index_record(record)
+        while len(self._records) > self.max_sessions:
+            _, evicted = self._records.popitem(last=False)
+            self._unindex(evicted)
+            self.evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(evicted)
 
-    def remove(self, session_id: str) -> None:
+    def remove(self, session_id: str) -> SessionRecord | None:
         old = self._records.pop(session_id, None)
-        if old is not None and old.history_hash is not None:
-            self._by_history.pop(old.history_hash, None)
+        if old is not None:
+            self._unindex(old)
+        return old
 
-    def find_by_prefix(self, prompt_block_hashes: list[int]) -> SessionRecord | None:
-        """The session whose known history is the longest prefix of the prompt."""
-        for h in reversed(prompt_block_hashes):
-            session_id = self._by_history.get(h)
-            if session_id is not None:
-                return self._records.get(session_id)
+    def continues(self, record: SessionRecord, chain: list[int], tokens: list[int]) -> bool:
+        """Whether the prompt (its tokens and their full blocks' prefix ids) continues the record's
+        whole history. A record with no history yet (a claimed first turn) is continued by any."""
+        if record.context_tokens == 0:
+            return True
+        if record.history_digest is None or len(tokens) < record.context_tokens:
+            return False
+        full, tail = divmod(record.context_tokens, self.block_size)
+        anchor = chain[full - 1] if full else None
+        if full > len(chain) or anchor != record.history_hash:
+            return False
+        start = full * self.block_size
+        return tail_digest(anchor, tokens[start:start + tail]) == record.history_digest
+
+    def find_by_prefix(self, chain: list[int], tokens: list[int],
+                       accept: Callable[[str], bool] | None = None) -> SessionRecord | None:
+        """The session (among those ``accept`` allows; default: those without a header) whose
+        whole history is the longest prefix of the prompt."""
+        accept = accept or (lambda session_id: session_id.startswith(AUTO_PREFIX))
+        bs = self.block_size
+        for full in range(min(len(chain), len(tokens) // bs), -1, -1):
+            anchor = chain[full - 1] if full else _ROOT
+            tails = self._tails.get(anchor)
+            if not tails:
+                continue
+            start = full * bs
+            for tail in sorted(tails, reverse=True):
+                if start + tail > len(tokens):
+                    continue
+                ids = self._index.get((anchor, tail, tail_digest(anchor, tokens[start:start + tail])))
+                for session_id in reversed(ids or ()):
+                    if accept(session_id):
+                        return self._records[session_id]
         return None
 
     def expire(self, now: float, ttl_s: float) -> int:
@@ -90,26 +197,64 @@ class SessionTable:
     def records(self) -> list[SessionRecord]:
         return list(self._records.values())
 
+    def _key(self, record: SessionRecord) -> tuple[int, int, int] | None:
+        if record.history_digest is None or record.context_tokens == 0:
+            return None
+        return (record.history_hash or _ROOT, record.context_tokens % self.block_size,
+                record.history_digest)
+
+    def _index_record(self, record: SessionRecord) -> None:
+        key = self._key(record)
+        if key is None:
+            return
+        ids = self._index.setdefault(key, {})
+        ids.pop(record.session_id, None)
+        ids[record.session_id] = None
+        self._tails.setdefault(key[0], Counter())[key[1]] += 1
+
+    def _unindex(self, record: SessionRecord) -> None:
+        """Remove this session's own index entry (never another session's)."""
+        key = self._key(record)
+        ids = self._index.get(key) if key is not None else None
+        if key is None or ids is None or record.session_id not in ids:
+            return
+        del ids[record.session_id]
+        if not ids:
+            del self._index[key]
+        tails = self._tails[key[0]]
+        tails[key[1]] -= 1
+        if tails[key[1]] <= 0:
+            del tails[key[1]]
+            if not tails:
+                del self._tails[key[0]]
+
 
 class EtcdSessions:
     """The session table backed by etcd (aetcd client)."""
 
     def __init__(self, etcd_url: str, prefix: str = "ppd", ttl_s: float = 3600.0,
-                 on_health: Callable[[bool], None] | None = None):
+                 on_health: Callable[[bool], None] | None = None, block_size: int = 32,
+                 max_sessions: int = DEFAULT_MAX_SESSIONS, on_evict: Callable[[], None] | None = None):
         from urllib.parse import urlparse
 
         parsed = urlparse(etcd_url)
         self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 2379
         self.prefix = f"{prefix}/sessions/".encode()
         self.ttl_s = ttl_s
-        self.table = SessionTable()
+        self.block_size, self.max_sessions = block_size, max_sessions
+        self.table = self._new_table()
         self.healthy = False
         self._on_health = on_health
+        self._on_evict = on_evict
         self._client: Any = None
         self._leases: dict[str, int] = {}
-        self._dirty: set[str] = set()  # changed while etcd was away
+        self._dirty: set[str] = set()  # changed while etcd was away (or a write failed)
+        self._pending: set[asyncio.Task] = set()  # writes and deletes in the background
         self._tasks: list[asyncio.Task] = []
         self._warned = False
+
+    def _new_table(self) -> SessionTable:
+        return SessionTable(self.block_size, self.max_sessions, on_evict=self._evicted)
 
     # -- life cycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -122,7 +267,9 @@ class EtcdSessions:
             self._set_health(False, exc)
         self._tasks.append(asyncio.get_running_loop().create_task(self._monitor(), name="etcd-monitor"))
 
-    async def stop(self) -> None:
+    async def stop(self, flush_timeout_s: float = 5.0) -> None:
+        """Stop syncing; first flush what is pending (background writes, and the sessions changed
+        while etcd was away), so a rolling restart loses no turn."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -130,15 +277,53 @@ class EtcdSessions:
                 await task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
                 pass
+        try:
+            await asyncio.wait_for(self.flush(), flush_timeout_s)
+        except Exception as exc:  # noqa: BLE001 (etcd away at shutdown: nothing more to do)
+            log.warning("could not flush %d session writes on shutdown: %s", len(self._dirty), exc)
         if self._client is not None:
             await self._client.close()
 
-    # -- reads (local, never block on etcd) -----------------------------------------------------
+    async def flush(self) -> None:
+        """Wait for the background writes, then write the dirty sessions."""
+        if self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        if self._client is None or not self._dirty:
+            return
+        for session_id in list(self._dirty):
+            record = self.table.get(session_id)
+            if record is not None:
+                await self._write(record)
+            self._dirty.discard(session_id)
+
+    # -- reads (local; `read_through` is the one that asks etcd) ---------------------------------
     def get(self, session_id: str) -> SessionRecord | None:
         return self.table.get(session_id)
 
-    def find_by_prefix(self, prompt_block_hashes: list[int]) -> SessionRecord | None:
-        return self.table.find_by_prefix(prompt_block_hashes)
+    def find_by_prefix(self, chain: list[int], tokens: list[int],
+                       accept: Callable[[str], bool] | None = None) -> SessionRecord | None:
+        return self.table.find_by_prefix(chain, tokens, accept)
+
+    async def read_through(self, session_id: str) -> SessionRecord | None:
+        """A session the local table does not know, from etcd (one linearizable get): another
+        replica may have recorded it a moment ago, before its watch event reached us."""
+        if not self.healthy or self._client is None:
+            return None
+        try:
+            found = await self._client.get(self.prefix + session_id.encode())
+        except Exception as exc:  # noqa: BLE001
+            self._set_health(False, exc)
+            return None
+        if found is None:
+            return None
+        try:
+            record = decode(found.value)
+        except msgspec.DecodeError:
+            return None
+        if found.lease:
+            self._leases.setdefault(record.session_id, found.lease)
+        self.table.put(record)
+        return record
 
     # -- writes ----------------------------------------------------------------------------------
     async def claim(self, record: SessionRecord) -> SessionRecord:
@@ -179,19 +364,84 @@ class EtcdSessions:
             self._set_health(False, exc)
             self._dirty.add(record.session_id)
 
+    async def commit(self, record: SessionRecord, wait_s: float = SAVE_WAIT_S) -> None:
+        """A turn's record: in the local table now, and in etcd before this returns unless etcd
+        takes longer than ``wait_s`` (then the write finishes in the background, and `stop`
+        flushes it). The caller holds the answer's end until then, so a follow-up the client
+        sends to another replica finds the record there (by `read_through`)."""
+        self.table.put(record)
+        task = self._background(self.save(record))
+        await asyncio.wait({task}, timeout=wait_s)
+
+    def _background(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return task
+
     async def _write(self, record: SessionRecord) -> None:
+        """Put the record under its lease, refreshing the lease at the same time; a lease that is
+        gone (expired, or revoked behind our back: its refresh answers TTL 0 without raising, and
+        a put under it fails) is replaced by a new one, never retried forever."""
+        key, value = self.prefix + record.session_id.encode(), encode(record)
         lease = self._leases.get(record.session_id)
-        if lease is not None:
+        if lease:
+            outcomes: tuple[Any, Any] = await asyncio.gather(self._client.put(key, value, lease),
+                                                       self._client.refresh_lease(lease),
+                                                       return_exceptions=True)
+            put, refresh = outcomes
+            if not isinstance(put, BaseException) and not isinstance(refresh, BaseException) \
+                    and refresh is not None and refresh.TTL > 0:
+                return
+            for outcome in (put, refresh):
+                if isinstance(outcome, BaseException) and not _lease_gone(outcome):
+                    raise outcome
+        new = (await self._client.lease(int(self.ttl_s))).id
+        self._leases[record.session_id] = new
+        await self._client.put(key, value, new)
+
+    def _evicted(self, record: SessionRecord) -> None:
+        """The table dropped its least recently used session: drop it from etcd too, so etcd
+        stays bounded as well (other replicas follow through their watch)."""
+        if self._on_evict is not None:
+            self._on_evict()
+        self._dirty.discard(record.session_id)
+        lease = self._leases.pop(record.session_id, None)
+        if self.healthy and self._client is not None:
             try:
-                await self._client.refresh_lease(lease)
-            except Exception:  # noqa: BLE001 (expired or revoked: take a new one)
-                lease = None
-        if lease is None:
-            lease = (await self._client.lease(int(self.ttl_s))).id
-            self._leases[record.session_id] = lease
-        await self._client.put(self.prefix + record.session_id.encode(), encode(record), lease)
+                self._background(self._delete(record.session_id, lease))
+            except RuntimeError:  # no running loop (a table filled outside the router)
+                pass
+
+    async def _delete(self, session_id: str, lease: int | None) -> None:
+        try:
+            if lease:
+                await self._client.revoke_lease(lease)  # its key goes with it
+            else:
+                await self._client.delete(self.prefix + session_id.encode())
+        except Exception:  # noqa: BLE001 (gone already, or etcd away: its lease expires anyway)
+            pass
 
     # -- sync ------------------------------------------------------------------------------------
+    async def _load(self) -> tuple[list[Any], int]:
+        """All session key-values, in pages of `LOAD_PAGE` at one revision (a single range of
+        everything breaks past ~16k sessions on gRPC's 4 MiB message limit)."""
+        from aetcd import rpc, utils
+
+        await self._client.connect()
+        start, end = self.prefix, utils.prefix_range_end(self.prefix)
+        kvs: list[Any] = []
+        revision = 0
+        while True:
+            response = await self._client.kvstub.Range(
+                rpc.RangeRequest(key=start, range_end=end, limit=LOAD_PAGE, revision=revision),
+                timeout=self._client._timeout, metadata=self._client.metadata)
+            revision = revision or response.header.revision
+            kvs.extend(response.kvs)
+            if not response.more or not response.kvs:
+                return kvs, revision
+            start = response.kvs[-1].key + b"\x00"  # the next key after the page's last
+
     async def _resync(self) -> None:
         """Write back what changed while etcd was away, reload everything, then watch."""
         for session_id in list(self._dirty):
@@ -199,19 +449,22 @@ class EtcdSessions:
             if record is not None:
                 await self._write(record)
             self._dirty.discard(session_id)
-        result = await self._client.get_prefix(self.prefix)
-        fresh = SessionTable()
-        for kv in result:
+        kvs, revision = await self._load()
+        records = []
+        for kv in kvs:
             try:
                 record = decode(kv.value)
             except msgspec.DecodeError:
                 log.warning("ignoring malformed session record at %r", kv.key)
                 continue
-            fresh.put(record)
-            self._leases.setdefault(record.session_id, kv.lease)
-        self.table = fresh
-        revision = result.header.revision if result.header else None
+            records.append(record)
+            if kv.lease:
+                self._leases.setdefault(record.session_id, kv.lease)
+        records.sort(key=lambda r: r.last_access)  # LRU order: past --max-sessions, the oldest go
+        self.table = self._new_table()
         self._set_health(True)
+        for record in records:
+            self.table.put(record)
         self._tasks.append(asyncio.get_running_loop().create_task(
             self._watch(revision + 1 if revision else None), name="etcd-watch"))
 
@@ -227,9 +480,15 @@ class EtcdSessions:
                         self._leases.pop(session_id, None)
                     continue
                 try:
-                    self.table.put(decode(event.kv.value))
+                    record = decode(event.kv.value)
                 except msgspec.DecodeError:
                     continue
+                local = self.table.get(record.session_id)
+                if local is not None and record.turn < local.turn:
+                    continue  # the echo of an older write: the local table is ahead
+                self.table.put(record)
+                if event.kv.lease:
+                    self._leases[record.session_id] = event.kv.lease
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -263,3 +522,8 @@ class EtcdSessions:
         self.healthy = healthy
         if self._on_health:
             self._on_health(healthy)
+
+
+def _lease_gone(exc: BaseException) -> bool:
+    """etcd's answer to a put or keep-alive under a lease that expired or was revoked."""
+    return "lease not found" in str(exc).lower()
