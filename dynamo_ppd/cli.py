@@ -61,6 +61,32 @@ def _add_serve(sub) -> None:
                    help="override replica counts, e.g. prefill=2,decode=2 (the 2P2D layout of ppd)")
     p.add_argument("--exit-when-ready", action="store_true",
                    help="stop everything as soon as the graph is ready (a start-up check)")
+    p.add_argument("--supervise", action="store_true",
+                   help="restart a process that exits (same argv, env and ports; etcd and NATS keep "
+                   "their data; backoff 0.5 s doubling to 8 s) instead of stopping the whole graph")
+
+
+def _add_ctl(sub) -> None:
+    p = sub.add_parser(
+        "ctl", help="list, kill or restart one process of a graph run by `serve` in another process",
+        description="Talks to a running `dynamo-ppd serve` through the control channel named in "
+        "RUN_DIR/run.json (a loopback HTTP port). `kill` sends a signal to one process (a supervised "
+        "graph starts it again; an unsupervised one then stops); `restart` stops it (SIGTERM, "
+        "SIGKILL after its stop timeout) and starts it again, and returns once it is ready.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--run-dir", type=Path, required=True, help="the serve run's directory (--run-dir "
+                   "of serve; it holds run.json)")
+    csub = p.add_subparsers(dest="ctl_command", required=True, metavar="{status,kill,restart}")
+    csub.add_parser("status", help="each process: pid, alive, restarts")
+    kill = csub.add_parser("kill", help="send a signal to one process",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    kill.add_argument("label", help="process label, e.g. decode-1, router, etcd, nats-server")
+    kill.add_argument("--signal", default="KILL", help="signal name or number (KILL, TERM, INT, 9)")
+    restart = csub.add_parser("restart", help="stop one process and start it again",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    restart.add_argument("label", help="process label, e.g. router-0, etcd, nats-server")
+    restart.add_argument("--timeout", type=float, default=60.0,
+                         help="seconds to wait for it to be ready again")
 
 
 def _add_model(sub) -> None:
@@ -141,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_table(sub)
     _add_router(sub)
     _add_bench(sub)
+    _add_ctl(sub)
+    from .chaos import cli as chaos_cli
+
+    chaos_cli.add_arguments(sub.add_parser(
+        "chaos", help="play a workload against a supervised graph and inject one fault per run",
+        description=chaos_cli.DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     return parser
 
 
@@ -151,7 +183,31 @@ def _serve(args) -> int:
         graph=args.graph, http_port=args.http_port, nats_port=args.nats_port,
         etcd_port=args.etcd_port, nats_url=args.nats_url, etcd_url=args.etcd_url,
         model_dir=args.model_dir, run_dir=args.run_dir, ready_timeout_s=args.ready_timeout,
-        dry_run=args.dry_run, exit_when_ready=args.exit_when_ready, replicas=args.replicas))
+        dry_run=args.dry_run, exit_when_ready=args.exit_when_ready, replicas=args.replicas,
+        supervise=args.supervise))
+
+
+def _ctl(args) -> int:
+    from .launch.control import ControlError, call, control_url, parse_signal
+
+    try:
+        url = control_url(args.run_dir)
+        if args.ctl_command == "status":
+            for proc in call(url, "/status")["processes"]:
+                state = "alive" if proc["alive"] else f"exited ({proc['exit_code']})"
+                print(f"{proc['label']:<16} pid {proc['pid']!s:<8} {state:<14} restarts {proc['restarts']}")
+        elif args.ctl_command == "kill":
+            answer = call(url, "/kill", {"label": args.label, "signal": parse_signal(args.signal).name})
+            print(f"sent {answer['signal']} to {answer['label']} (pid {answer['pid']})")
+        else:
+            answer = call(url, "/restart", {"label": args.label, "timeout_s": args.timeout},
+                          timeout_s=args.timeout + 30)
+            print(f"restarted {answer['label']}: down {answer['down_s']} s, ready "
+                  f"{answer['ready_after_s']} s after it was stopped")
+    except (ControlError, ValueError) as exc:
+        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _model(args) -> int:
@@ -225,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import compare
 
             return compare.main(args)
+        if args.command == "ctl":
+            return _ctl(args)
+        if args.command == "chaos":
+            from .chaos import cli as chaos_cli
+
+            return chaos_cli.main(args)
     except (GraphError, BadInput, ModelDirError, ProfileError) as exc:
         print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
         return 2

@@ -2,17 +2,23 @@
 
 Order: port checks -> model directory -> nats-server and etcd (unless external URLs are given) ->
 the graph's components in file order, each waited for -> the frontend lists the model on
-/v1/models. On Ctrl-C or SIGTERM (or if any process dies) every Dynamo process gets SIGTERM (they
-deregister from etcd at once), stragglers get SIGKILL, leases left by killed processes are
-revoked, then etcd and NATS stop and their data directories are deleted.
+/v1/models. On Ctrl-C or SIGTERM (or, unless supervised, if any process dies) every Dynamo process
+gets SIGTERM (they deregister from etcd at once), stragglers get SIGKILL, leases left by killed
+processes are revoked, then etcd and NATS stop and their data directories are deleted.
+
+With ``supervise`` a process that exits is started again (supervise.py). Either way one component
+can be killed or restarted: `Deployment.kill` / `Deployment.restart`, or from another process
+through the control channel whose URL run.json holds (control.py, `dynamo-ppd ctl`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import model as model_dir_mod
+from .control import ControlServer
 from .graph import Graph, expand, load_graph
 from .process import ManagedProcess, ReadySpec, free_port, group_alive, port_in_use, stop_all
 from .servers import (
@@ -30,6 +37,7 @@ from .servers import (
     nats_process,
     revoke_leases,
 )
+from .supervise import RestartEvent, Supervisor
 
 
 class LaunchError(Exception):
@@ -54,6 +62,7 @@ class ServeOptions:
     dry_run: bool = False
     exit_when_ready: bool = False  # bring up, report, tear down (for scripts and smoke checks)
     replicas: dict[str, int] = field(default_factory=dict)  # component name -> replica count
+    supervise: bool = False  # restart a process that exits instead of stopping the graph
 
 
 @dataclass
@@ -70,6 +79,10 @@ class Deployment:
     metrics_urls: dict[str, str] = field(default_factory=dict)  # process label -> URL
     temp_dirs: list[tempfile.TemporaryDirectory] = field(default_factory=list)
     log: Callable[[str], None] = print
+    supervise: bool = False
+    supervisor: Supervisor | None = None  # set once the graph is ready (also for restarts on request)
+    control: ControlServer | None = None
+    run_state: str = "starting"  # as in run.json
 
     @property
     def base_url(self) -> str:
@@ -79,27 +92,87 @@ class Deployment:
         return self.servers + self.workers
 
     def write_run_file(self, state: str) -> None:
+        self.run_state = state
+        sup = self.supervisor
         record = {
             "graph": self.graph.name, "state": state, "base_url": self.base_url,
             "model": self.model_name, "nats_url": self.endpoints.nats_url,
             "etcd_url": self.endpoints.etcd_url, "namespace": self.graph.namespace,
+            "supervise": self.supervise,
+            "control_url": self.control.url if self.control and state != "stopped" else None,
             "processes": [{"label": p.label, "pid": p.popen.pid if p.popen else None,
                            "argv": p.argv, "log": str(p.log_path),
-                           "system_port": int(p.env.get("DYN_SYSTEM_PORT") or 0) or None}
+                           "system_port": int(p.env.get("DYN_SYSTEM_PORT") or 0) or None,
+                           "restarts": sup.restarts(p.label) if sup else 0}
                           for p in self.processes()],
         }
-        (self.run_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+        # Written from the supervisor thread too: replace atomically so a reader never sees half.
+        tmp = self.run_dir / f".run.json.{threading.get_ident()}"
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / "run.json")
 
     def first_dead(self) -> ManagedProcess | None:
-        return next((p for p in self.processes() if p.exit_code() is not None), None)
+        """A process that exited and is not being restarted on request."""
+        sup = self.supervisor
+        return next((p for p in self.processes() if p.exit_code() is not None
+                     and not (sup and sup.restarting(p.label))), None)
+
+    def process(self, label: str) -> ManagedProcess:
+        """The process called ``label`` (``nats`` is accepted for ``nats-server``); KeyError naming
+        the known labels otherwise."""
+        wanted = "nats-server" if label == "nats" else label
+        for proc in self.processes():
+            if proc.label == wanted:
+                return proc
+        raise KeyError(f"no process {label!r}; the graph has: {', '.join(p.label for p in self.processes())}")
+
+    def labels(self, component: str) -> list[str]:
+        """The process labels of a component (``decode`` -> decode-0, decode-1, ...)."""
+        return [p.label for p in self.processes()
+                if p.label == component or p.label.rpartition("-")[0] == component]
+
+    def kill(self, label: str, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to one process's group; returns the pid signalled. Supervised, the process
+        is started again once it exits; otherwise `serve` then stops the graph."""
+        proc = self.process(label)
+        if proc.popen is None or proc.exit_code() is not None:
+            raise RuntimeError(f"{proc.label} is not running")
+        pid = proc.pid
+        proc.signal_group(sig)
+        return pid
+
+    def restart(self, label: str, wait: bool = True, timeout_s: float = 60.0) -> RestartEvent:
+        """Stop one process (SIGTERM, SIGKILL after its stop timeout) and start it again with the
+        same argv, environment and ports; with ``wait``, return once it is ready again."""
+        proc = self.process(label)
+        if self.supervisor is None:
+            raise RuntimeError("the graph is not running (restart needs a started graph)")
+        event = self.supervisor.request_restart(proc)
+        if wait and not event.done.wait(timeout_s):
+            raise TimeoutError(f"{proc.label} not ready {timeout_s:.0f} s after its restart; "
+                               f"see {proc.log_path}")
+        return event
+
+    def status(self) -> list[dict]:
+        sup = self.supervisor
+        return [{"label": p.label, "pid": p.popen.pid if p.popen else None,
+                 "alive": p.popen is not None and p.exit_code() is None,
+                 "exit_code": p.exit_code(), "restarts": sup.restarts(p.label) if sup else 0,
+                 "log": str(p.log_path)} for p in self.processes()]
 
     def stop(self) -> list[str]:
         """Stop everything; return the labels of processes still alive afterwards (normally none)."""
+        if self.supervisor:
+            self.supervisor.halt()  # nothing is restarted while we stop
+        if self.control:
+            self.control.close()
         killed = stop_all(list(reversed(self.workers)))
         if killed:
             self.log(f"  killed after stop timeout: {', '.join(killed)}")
         self._clean_etcd()
         stop_all(list(reversed(self.servers)))
+        if self.supervisor:
+            self.supervisor.join()  # only now: its thread's exit SIGTERMs what it started
         for tmp in self.temp_dirs:
             tmp.cleanup()
         self.write_run_file("stopped")
@@ -230,7 +303,8 @@ def start(opts: ServeOptions, log=print) -> Deployment:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     endpoints = Endpoints(nats_url=opts.nats_url or f"nats://127.0.0.1:{opts.nats_port}",
                           etcd_url=opts.etcd_url or f"http://127.0.0.1:{opts.etcd_port}")
-    deployment = Deployment(graph, run_dir, endpoints, opts.http_port, info.served_model_name, log=log)
+    deployment = Deployment(graph, run_dir, endpoints, opts.http_port, info.served_model_name, log=log,
+                            supervise=opts.supervise)
     t0 = time.monotonic()
     try:
         servers = [(opts.nats_url, nats_process, opts.nats_port, "nats-server"),
@@ -260,6 +334,11 @@ def start(opts: ServeOptions, log=print) -> Deployment:
                                   f"{deployment.base_url}/v1/models after {opts.ready_timeout_s:.0f} s; "
                                   f"see the logs in {run_dir / 'logs'}")
             time.sleep(0.2)
+        deployment.supervisor = Supervisor(deployment.processes, opts.supervise, log=log,
+                                           on_change=lambda: deployment.write_run_file(deployment.run_state))
+        deployment.supervisor.start()
+        deployment.control = ControlServer(deployment)
+        deployment.control.start()
     except BaseException:
         deployment.stop()
         raise
@@ -317,7 +396,7 @@ def serve(opts: ServeOptions) -> int:
         _print_ready(deployment)
         code = 0
         while not stop_requested and not opts.exit_when_ready:
-            dead = deployment.first_dead()
+            dead = None if opts.supervise else deployment.first_dead()
             if dead:
                 print(f"error: {dead.label} exited with code {dead.exit_code()}; see {dead.log_path}",
                       file=sys.stderr, flush=True)
@@ -338,6 +417,8 @@ def serve(opts: ServeOptions) -> int:
 
 def _print_ready(dep: Deployment) -> None:
     metrics = "".join(f"\n{label} metrics: {url}" for label, url in dep.metrics_urls.items())
+    mode = ("supervised: a process that exits is started again" if dep.supervise
+            else "any process exiting stops the graph")
     body = json.dumps({"model": dep.model_name, "stream": True, "max_tokens": 32,
                        "messages": [{"role": "user", "content": "Hello! Who are you?"}]})
     print(f"""
@@ -345,5 +426,6 @@ def _print_ready(dep: Deployment) -> None:
   logs             {dep.run_dir}/logs/{metrics}
   try:  curl -sN {dep.base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'
 
-  Ctrl-C stops everything.
+  control          dynamo-ppd ctl --run-dir {dep.run_dir} status|kill LABEL|restart LABEL
+  {mode}; Ctrl-C stops everything.
 """, flush=True)

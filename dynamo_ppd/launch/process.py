@@ -33,9 +33,11 @@ class ManagedProcess:
     ready: ReadySpec = field(default_factory=ReadySpec)
     stop_timeout_s: float = 10.0
     popen: subprocess.Popen | None = None
+    started_at: float | None = None  # time.monotonic() of the latest start
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.started_at = time.monotonic()
         with open(self.log_path, "ab") as log:
             # start_new_session: Ctrl-C in the terminal reaches only the launcher, which then stops
             # the children in order; and the child's pid is its process-group id for killpg.

@@ -1,0 +1,129 @@
+"""The control channel of a running graph: a loopback HTTP port (``control_url`` in run.json) through
+which another process (`dynamo-ppd ctl`) lists, kills or restarts one component.
+
+    GET  /status                          -> {"processes": [{label, pid, alive, restarts, ...}]}
+    POST /kill     {"label": L, "signal": "KILL"}   -> {"label", "pid", "signal"}
+    POST /restart  {"label": L, "timeout_s": 60}   -> the restart event (down_s, ready_after_s)
+
+Answers are JSON; an unknown label is 404 with the known ones in the message. Only 127.0.0.1 is
+bound: whoever can reach it can already signal our processes.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .launcher import Deployment
+
+
+class ControlError(Exception):
+    """The control channel answered with an error, or cannot be reached; one line."""
+
+
+def parse_signal(name: str | int) -> signal.Signals:
+    """``KILL``, ``SIGKILL``, ``kill`` or ``9`` -> signal.SIGKILL."""
+    text = str(name).strip().upper()
+    if text.isdigit():
+        return signal.Signals(int(text))
+    try:
+        return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
+    except KeyError:
+        raise ValueError(f"unknown signal {name!r} (e.g. KILL, TERM, INT, 9)") from None
+
+
+class ControlServer:
+    def __init__(self, deployment: Deployment, host: str = "127.0.0.1"):
+        dep = deployment
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_args) -> None:  # the launcher's output is for the user
+                pass
+
+            def _answer(self, code: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                if self.path.rstrip("/") == "/status":
+                    self._answer(200, {"processes": dep.status()})
+                else:
+                    self._answer(404, {"error": f"no {self.path}; try /status"})
+
+            def do_POST(self) -> None:  # noqa: N802
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                    label = str(body.get("label", ""))
+                    if self.path == "/kill":
+                        sig = parse_signal(body.get("signal", "KILL"))
+                        pid = dep.kill(label, sig)
+                        self._answer(200, {"label": label, "pid": pid, "signal": sig.name})
+                    elif self.path == "/restart":
+                        event = dep.restart(label, timeout_s=float(body.get("timeout_s", 60)))
+                        self._answer(200, event.as_dict())
+                    else:
+                        self._answer(404, {"error": f"no {self.path}; POST /kill or /restart"})
+                except KeyError as exc:
+                    self._answer(404, {"error": str(exc.args[0])})
+                except (ValueError, RuntimeError, TimeoutError) as exc:
+                    self._answer(400, {"error": str(exc)})
+
+        self.server = ThreadingHTTPServer((host, 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://{host}:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, name="dynamo-ppd-control",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# --- the client side (dynamo-ppd ctl) -------------------------------------------------------------
+
+
+def control_url(run_dir: Path) -> str:
+    path = Path(run_dir) / "run.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ControlError(f"cannot read {path}: {exc} (is --run-dir the serve run's directory?)") from exc
+    if record.get("state") == "stopped":
+        raise ControlError(f"the graph of {run_dir} is stopped")
+    url = record.get("control_url")
+    if not url:
+        raise ControlError(f"{path} has no control_url (started by an older dynamo-ppd?)")
+    return str(url)
+
+
+def call(url: str, path: str, body: dict | None = None, timeout_s: float = 90) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{url}{path}", data=data, method="GET" if body is None else "POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 (loopback)
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read()).get("error", str(exc))
+        except ValueError:
+            message = str(exc)
+        raise ControlError(message) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ControlError(f"control channel {url} unreachable: {exc} "
+                           "(is the graph still running?)") from None

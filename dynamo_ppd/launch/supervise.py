@@ -1,0 +1,204 @@
+"""Supervision of a running graph: restart a component that exits (as Kubernetes restarts a pod),
+and restart one on request (`Deployment.restart`, `dynamo-ppd ctl restart`).
+
+Every start after start-up happens on the supervisor's one long-lived thread. That matters: the
+children are started with PR_SET_PDEATHSIG (process.py), which Linux fires when the *thread* that
+forked them exits, so a process started from a short-lived thread (an HTTP handler, a thread pool)
+would be SIGTERMed as soon as that thread ends.
+
+A restart reuses the process's argv, environment, ports and log file (opened for append); etcd and
+NATS keep their data directories, like a pod with a volume. Automatic restarts back off
+exponentially (0.5 s, 1 s, 2 s ... at most 8 s) and the backoff resets once a process has stayed up
+for 30 s, a short version of Kubernetes' CrashLoopBackOff.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .process import ManagedProcess
+
+BACKOFF_S = 0.5
+MAX_BACKOFF_S = 8.0
+RESET_AFTER_S = 30.0
+
+
+@dataclass
+class RestartEvent:
+    """One (re)start of a process; times are `time.monotonic()`."""
+
+    label: str
+    reason: str  # "exited" (supervised restart) or "requested"
+    exit_code: int | None
+    exited_at: float
+    started_at: float | None = None
+    ready_at: float | None = None
+    done: threading.Event = field(default_factory=threading.Event, repr=False)  # set when ready
+
+    def as_dict(self) -> dict:
+        return {"label": self.label, "reason": self.reason, "exit_code": self.exit_code,
+                "down_s": None if self.started_at is None else round(self.started_at - self.exited_at, 3),
+                "ready_after_s": None if self.ready_at is None else round(self.ready_at - self.exited_at, 3)}
+
+
+def backoff_s(consecutive: int) -> float:
+    """Delay before the ``consecutive``-th restart in a row (1-based) of a process."""
+    return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** max(0, consecutive - 1))
+
+
+@dataclass
+class _State:
+    consecutive: int = 0  # restarts in a row without staying up RESET_AFTER_S
+    due: float | None = None  # when an automatic restart is scheduled
+    event: RestartEvent | None = None  # the restart waiting for its process to be ready
+
+
+class Supervisor:
+    """Watches ``processes()``; with ``auto_restart`` a process that exits is started again.
+
+    ``processes`` is read on every pass, so processes added later are watched too."""
+
+    def __init__(self, processes: Callable[[], list[ManagedProcess]], auto_restart: bool,
+                 log: Callable[[str], None] = print, on_change: Callable[[], None] | None = None,
+                 poll_s: float = 0.1):
+        self._processes = processes
+        self.auto_restart = auto_restart
+        self._log = log
+        self._on_change = on_change or (lambda: None)
+        self._poll_s = poll_s
+        self._lock = threading.Lock()
+        self._requests: list[tuple[ManagedProcess, RestartEvent]] = []
+        self._states: dict[str, _State] = {}
+        self._busy: set[str] = set()  # labels being restarted on request (down on purpose)
+        self._halted = False
+        self._exit = threading.Event()
+        self.events: list[RestartEvent] = []
+        self._thread = threading.Thread(target=self._run, name="dynamo-ppd-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def halt(self) -> None:
+        """Restart nothing from now on (the graph is being stopped); the thread stays alive so the
+        processes it started are not sent their parent-death signal before they are stopped."""
+        with self._lock:
+            self._halted = True
+            pending = list(self._requests)
+            self._requests.clear()
+        for _, event in pending:
+            event.done.set()
+
+    def join(self) -> None:
+        self.halt()
+        self._exit.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def restarting(self, label: str) -> bool:
+        """True while ``label`` is down on purpose or waiting for a scheduled restart."""
+        with self._lock:
+            state = self._states.get(label)
+            return label in self._busy or (state is not None and state.due is not None)
+
+    def restarts(self, label: str) -> int:
+        return sum(1 for e in self.events if e.label == label and e.started_at is not None)
+
+    def request_restart(self, proc: ManagedProcess) -> RestartEvent:
+        """Stop ``proc`` (SIGTERM, then SIGKILL after its stop timeout) and start it again, on the
+        supervisor thread; the returned event's ``done`` is set once it is ready again."""
+        event = RestartEvent(proc.label, "requested", None, time.monotonic())
+        with self._lock:
+            if self._halted:
+                raise RuntimeError("the graph is stopping; nothing is restarted")
+            self._busy.add(proc.label)
+            self._requests.append((proc, event))
+        return event
+
+    # --- the thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._exit.is_set():
+            try:
+                self._pass()
+            except Exception as exc:  # noqa: BLE001 (the supervisor must outlive one bad pass)
+                self._log(f"  supervisor: {type(exc).__name__}: {exc}")
+            self._exit.wait(self._poll_s)
+
+    def _pass(self) -> None:
+        with self._lock:
+            requests, self._requests = self._requests, []
+            halted = self._halted
+        for proc, event in requests:
+            self._restart_requested(proc, event)
+        if halted:
+            return
+        now = time.monotonic()
+        for proc in self._processes():
+            state = self._states.setdefault(proc.label, _State())
+            event = state.event
+            if event is not None and event.started_at is not None and event.ready_at is None:
+                self._check_ready(proc, state)
+            if proc.label in self._busy:
+                continue
+            code = proc.exit_code()
+            if code is None:
+                if state.consecutive and proc.started_at and now - proc.started_at > RESET_AFTER_S:
+                    state.consecutive = 0
+                continue
+            if not self.auto_restart:
+                continue
+            if state.due is None:
+                state.consecutive += 1
+                state.due = now + backoff_s(state.consecutive)
+                state.event = RestartEvent(proc.label, "exited", code, now)
+                self.events.append(state.event)
+                self._log(f"  {proc.label} exited with code {code}; restart {state.consecutive} in a "
+                          f"row in {state.due - now:.1f} s (see {proc.log_path})")
+            elif now >= state.due:
+                proc.start()
+                state.due = None
+                assert state.event is not None
+                state.event.started_at = time.monotonic()
+                self._on_change()
+
+    def _restart_requested(self, proc: ManagedProcess, event: RestartEvent) -> None:
+        state = self._states.setdefault(proc.label, _State())
+        self.events.append(event)
+        try:
+            proc.signal_group(signal.SIGTERM)
+            if not proc.wait_stopped(time.monotonic() + proc.stop_timeout_s):
+                proc.signal_group(signal.SIGKILL)
+                proc.wait_stopped(time.monotonic() + 5)
+            event.exit_code = proc.exit_code()
+            with self._lock:
+                if self._halted:
+                    event.done.set()
+                    return
+            proc.start()
+            event.started_at = time.monotonic()
+            state.due, state.event = None, event
+            self._log(f"  {proc.label} restarted on request (was stopped with code {event.exit_code})")
+            self._on_change()
+        finally:
+            with self._lock:
+                self._busy.discard(proc.label)
+            if event.started_at is None:
+                event.done.set()
+
+    def _check_ready(self, proc: ManagedProcess, state: _State) -> None:
+        event = state.event
+        assert event is not None
+        if proc.exit_code() is not None:
+            event.done.set()  # died again before ready: the next restart gets its own event
+            state.event = None
+            return
+        if proc.is_ready():
+            event.ready_at = time.monotonic()
+            event.done.set()
+            self._log(f"  {proc.label} ready again {event.ready_at - event.exited_at:.1f} s after it "
+                      "went down")
+            self._on_change()
