@@ -109,14 +109,26 @@ def decisions(dep, route: str, turn: str) -> float:
                if k.startswith("ppd_decisions_total") and f'route="{route}"' in k and f'turn="{turn}"' in k)
 
 
-def prefill_tokens_by_decode(dep) -> dict[str, int]:
+def prefill_tokens_by_decode(dep, label: str = "decode") -> dict[str, int]:
     out = {}
     for proc in dep.workers:
-        if proc.label.startswith("decode"):
+        if proc.label.startswith(label):
             text = httpx.get(f"http://127.0.0.1:{proc.env['DYN_SYSTEM_PORT']}/metrics", timeout=10).text
             out[proc.label] = sum(int(float(line.split()[-1])) for line in text.splitlines()
                                   if line.startswith("dynamo_ppd_engine_prefill_tokens_total"))
     return out
+
+
+def prefill_tokens_on(dep, label: str) -> int:
+    """Prompt tokens the workers whose label starts with ``label`` computed so far."""
+    return sum(prefill_tokens_by_decode(dep, label).values())
+
+
+def requests_served(proc) -> float:
+    """Requests a worker's generate endpoint received (Dynamo's own per-endpoint counter)."""
+    text = httpx.get(f"http://127.0.0.1:{proc.env['DYN_SYSTEM_PORT']}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dynamo_component_requests_total") and 'dynamo_endpoint="generate"' in line)
 
 
 def sessions_in(etcd_url: str) -> dict[str, object]:
@@ -171,10 +183,16 @@ def test_bad_requests_get_4xx_with_a_message_and_nothing_breaks(ppd):
     assert 400 <= malformed.status_code < 500 and malformed.text
     no_messages = httpx.post(url, json={"model": ppd.model_name})
     assert 400 <= no_messages.status_code < 500 and "messages" in no_messages.text
+    decode_before, prefill_before = prefill_tokens_by_decode(ppd), prefill_tokens_on(ppd, "prefill")
     spoofed = httpx.post(url, json={"model": ppd.model_name, "max_tokens": 4,
-                                    "messages": [{"role": "user", "content": "hello"}],
+                                    "messages": [{"role": "user", "content": "hello " * 200}],
                                     "nvext": {"annotations": ["x-bypass-remote-prefill"]}})
-    assert spoofed.status_code == 200  # the client's bypass annotation is dropped, not obeyed
+    assert spoofed.status_code == 200
+    # The client's bypass annotation is dropped, not obeyed: the prefill worker computed the
+    # prompt, no decode worker computed any of it.
+    prompt_tokens = spoofed.json()["usage"]["prompt_tokens"]
+    assert prefill_tokens_on(ppd, "prefill") - prefill_before >= prompt_tokens - 32
+    assert prefill_tokens_by_decode(ppd) == decode_before
     assert chat(ppd, [{"role": "user", "content": "still fine?"}], "after-errors")["usage"]
 
 
@@ -210,22 +228,26 @@ def test_evicted_history_goes_through_prefill(model_dir, tmp_path):
 def test_dead_decode_worker_rehomes_the_next_turn(model_dir, tmp_path):
     dep = deploy(tmp_path, model_dir, mode="local", decode=2)
     try:
+        survivor: dict = {}  # the other decode worker, and how many requests it had served
+
         def kill_session_decode(turn: int) -> None:
             if turn != 1:
                 return
-            charged = prefill_tokens_by_decode(dep)
             record = next(r for r in sessions_in(dep.endpoints.etcd_url).values() if r.session_id == "rehome")
             assert record.decode_worker is not None
             # The session's decode worker is the one that received the transfer: find it by its
             # instance id in etcd and kill it hard (no deregistration).
             victim = next(p for p in dep.workers if p.label.startswith("decode")
                           and f"as instance {record.decode_worker:x}" in _log(p))
+            other = next(p for p in dep.workers if p.label.startswith("decode") and p is not victim)
+            survivor.update(proc=other, served=requests_served(other))
             victim.signal_group(signal.SIGKILL)
-            assert charged  # both decode workers answered metrics before
 
         results = conversation(dep, 3, session="rehome", between=kill_session_decode)
         assert all(r["usage"]["completion_tokens"] == 24 for r in results)
         assert metrics(dep)["ppd_rehomes_total"] >= 1
+        # Turns 2 and 3 ran on the survivor (it held nothing of the conversation before).
+        assert requests_served(survivor["proc"]) - survivor["served"] == 2
     finally:
         dep.stop()
 
