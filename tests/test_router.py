@@ -23,7 +23,7 @@ namespace: workers
 components:
   - name: frontend
     command: ["{python}", "-m", "dynamo.frontend", "--http-port", "{http_port}", "--namespace", "ppd",
-              "--router-mode", "round-robin"]
+              "--router-mode", "round-robin", "--migration-limit", "3"]
     ready: {http: "http://127.0.0.1:{http_port}/health"}
   - name: prefill
     command: ["{python}", "-m", "dynamo_ppd.engine", "--model-path", "{model_dir}",
