@@ -123,6 +123,18 @@ def test_re_home_without_a_prefill_worker_goes_decode_local_on_a_worker_holding_
     asyncio.run(run())
 
 
+def test_without_prefill_workers_a_new_conversation_is_prefilled_on_a_decode_worker():
+    async def run():
+        router = make_router(mode="ppd")
+        router.clients["prefill"].ids = []
+        out = await turn(router, list(range(2000, 2300)))
+        assert len(out) == 4
+        [(worker, request)] = router.clients["decode"].sent
+        assert request["annotations"] == ["x-bypass-remote-prefill"] and "prefill_result" not in request
+
+    asyncio.run(run())
+
+
 def test_an_answer_cut_off_mid_stream_continues_on_another_decode_worker():
     async def run():
         router = make_router(mode="local")
