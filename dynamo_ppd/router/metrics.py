@@ -43,6 +43,21 @@ class RouterMetrics:
                              registry=self.registry)
         self.kv_events = Counter("ppd_kv_events", "KV events applied to the residency index",
                                  registry=self.registry)
+        self.residency_resyncs = Counter(
+            "ppd_residency_resyncs", "Worker views rebuilt from the worker-local indexer, by why",
+            ["reason"], registry=self.registry)
+        self.residency_orphans = Counter(
+            "ppd_residency_orphans", "Stored KV events whose parent block the router had not seen",
+            registry=self.registry)
+        self.residency_gaps = Counter(
+            "ppd_residency_gaps", "Jumps (or steps back) in a worker's KV event ids",
+            registry=self.registry)
+        self.residency_unknown = Gauge(
+            "ppd_residency_unknown_workers", "Workers whose view could not be rebuilt (orphans left)",
+            registry=self.registry)
+        self.kv_silent_workers = Gauge(
+            "ppd_kv_silent_workers", "Decode workers that served turns but never published a KV event",
+            registry=self.registry)
         self.errors = Counter("ppd_request_errors", "Requests that ended in an error", ["kind"],
                               registry=self.registry)
 

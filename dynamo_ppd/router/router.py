@@ -27,6 +27,7 @@ from ..policy.qps import SlidingWindowRate
 from ..policy.table import bundled_table, load_table
 from . import dispatch
 from .args import RouterConfig
+from .kv_sync import KvSync
 from .metrics import RouterMetrics, debug_line
 from .rate_share import RatePublisher, SharedRate
 from .residency import Residency, kv_events_subject, prefix_chain
@@ -93,6 +94,7 @@ class PpdRouter:
         self._rate_publisher = RatePublisher(self.rate, config.namespace, on_publish=metrics.set_rates)
         self.clients: dict[str, Any] = {}
         self._nats: Any = None
+        self.kv_sync: KvSync | None = None
         self._table_config: str | None = None
         self._background: set[asyncio.Task] = set()  # session writes in flight
 
@@ -108,17 +110,16 @@ class PpdRouter:
         for role, component in components.items():
             self.clients[role] = await self.runtime.endpoint(f"{ns}.{component}.generate").client()
 
-        async def on_kv_event(msg) -> None:
-            try:
-                self.metrics.kv_events.inc(self.residency.apply_envelope(msg.data))
-            except Exception:  # noqa: BLE001 (one bad message must not stop the subscription)
-                log.exception("could not apply a KV event message")
+        # Residency: live KV events, and rebuilds from the workers themselves (kv_sync).
+        kv_sync = self.kv_sync = KvSync(self.runtime, self.residency, self.metrics, ns, components,
+                                        self.clients, busy=self._serving)
 
         async def nats_down() -> None:
             self.metrics.nats_up.set(0)
 
         async def nats_up() -> None:
             self.metrics.nats_up.set(1)
+            kv_sync.reconnected()
 
         async def on_load_report(msg) -> None:
             try:
@@ -130,14 +131,22 @@ class PpdRouter:
         self._nats = await nats.connect(cfg.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=1,
                                         disconnected_cb=nats_down, reconnected_cb=nats_up)
         self.metrics.nats_up.set(1)
+        await self.kv_sync.start(self._nats)
         for component in components.values():
-            await self._nats.subscribe(kv_events_subject(ns, component), cb=on_kv_event)
             await self._nats.subscribe(kv_events_subject(ns, component, topic="forward-pass-metrics"),
                                        cb=on_load_report)
         await self.sessions.start()
         await self._rate_publisher.start(self._nats)
 
+    def _serving(self, worker: int) -> bool:
+        """The worker is serving turns now (ours, or any router's as its load reports say)."""
+        report = self.reports.get(worker) or {}
+        scheduled = report.get("scheduled_requests") or {}
+        return self.loads.inflight.get(worker, 0) > 0 or bool(scheduled.get("num_decode_requests"))
+
     async def stop(self) -> None:
+        if self.kv_sync is not None:
+            await self.kv_sync.stop()
         await self._rate_publisher.stop()
         await self.sessions.stop()  # flushes pending session writes
         if self._nats is not None:

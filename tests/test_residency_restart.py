@@ -1,0 +1,89 @@
+"""Residency that recovers, end to end: a router SIGKILLed and started again in the middle of a
+workload whose conversations share a long system prompt still knows what each decode worker holds
+(rebuilt from the workers' local indexers), so follow-ups run decode-local."""
+
+from __future__ import annotations
+
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from test_router import chat, decisions, deploy, metrics
+
+from dynamo_ppd.launch.servers import live_dynamo_keys, revoke_leases
+
+SYSTEM = "You are the harbour master of a busy port; answer with care and precision. " * 40
+
+
+def messages(user: str, history: list[dict] | None = None) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, *(history or []), {"role": "user", "content": user}]
+
+
+def restart_router(dep, timeout_s: float = 60) -> None:
+    """SIGKILL the router (no clean deregistration, as a crash or an OOM kill), drop what it left in
+    etcd (as its lease would expire), start the same command again and wait until it serves."""
+    [router] = [p for p in dep.workers if p.label.startswith("router")]
+    router.signal_group(signal.SIGKILL)
+    assert router.wait_stopped(time.monotonic() + 10)
+    left = [(key, lease) for key, lease in live_dynamo_keys(dep.endpoints.etcd_url, "ppd")
+            if b"/router/" in key or b"router" in key.split(b"/")[-2:-1]]
+    revoke_leases(dep.endpoints.etcd_url, left)
+    router.start()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if router.is_ready() and _answers(dep):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the router did not come back:\n{router.log_tail(20)}")
+
+
+def _answers(dep) -> bool:
+    try:
+        chat(dep, [{"role": "user", "content": "ping"}], None, max_tokens=2)
+        return True
+    except (AssertionError, httpx.HTTPError):
+        return False
+
+
+def first_turns(dep, names: list[str]) -> dict[str, list[dict]]:
+    """Turn 1 of each conversation, all at once (so they spread over the decode workers)."""
+    def one(name: str) -> tuple[str, list[dict]]:
+        user = f"Conversation {name}: which ships came in today?"
+        answer = chat(dep, messages(user), name)
+        return name, [{"role": "user", "content": user}, {"role": "assistant", "content": answer["text"]}]
+    with ThreadPoolExecutor(len(names)) as pool:
+        return dict(pool.map(one, names))
+
+
+def follow_ups(dep, histories: dict[str, list[dict]]) -> None:
+    with ThreadPoolExecutor(len(histories)) as pool:
+        list(pool.map(lambda item: chat(dep, messages("And which ones left?", item[1]), item[0]),
+                      histories.items()))
+
+
+@pytest.mark.timeout(180)
+def test_follow_ups_stay_decode_local_across_a_router_restart(model_dir, tmp_path):
+    dep = deploy(tmp_path, model_dir, decode=3)
+    try:
+        before = first_turns(dep, [f"old-{i}" for i in range(6)])  # every decode worker: the prompt
+        time.sleep(0.5)
+        restart_router(dep)
+        time.sleep(1.5)  # the new router rebuilds each worker's view from its local indexer
+        after = first_turns(dep, [f"new-{i}" for i in range(6)])
+        time.sleep(0.5)
+        follow_ups(dep, {**before, **after})
+        # Counters of the new router process only: every follow-up, old and new conversations, found
+        # its history on its decode worker (none was classed evicted); the policy may still send
+        # one through prefill for load (reason table_*), so most, not all, run decode-local.
+        decided = {k: v for k, v in metrics(dep).items() if k.startswith("ppd_decisions_total")}
+        follow = {k: v for k, v in decided.items() if 'turn="follow_up"' in k}
+        assert sum(follow.values()) == 12, decided
+        assert not any('reason="history_evicted"' in k for k in follow), decided
+        assert metrics(dep).get("ppd_residency_misses_total", 0) == 0, decided
+        assert decisions(dep, "decode_local", "follow_up") >= 10, decided
+        resyncs = sum(v for k, v in metrics(dep).items() if k.startswith("ppd_residency_resyncs_total"))
+        assert resyncs >= 4  # one per worker at start (1 prefill, 3 decode), more on orphans
+    finally:
+        dep.stop()
