@@ -110,6 +110,22 @@ def test_the_table_is_bounded_least_recently_used_first():
     assert find(table, SYSTEM + [0, 0]) == "auto-0"
 
 
+def test_history_hashes_are_the_same_in_every_process():
+    """Replicas compare each other's records: no salted (str/bytes) hashing may enter them."""
+    import os
+    import subprocess
+    import sys
+
+    history = SYSTEM + [1, 2, 3]
+    code = ("from dynamo_ppd.router.residency import prefix_chain;"
+            "from dynamo_ppd.router.sessions import history_hashes;"
+            f"h={history!r};c=prefix_chain([hash(tuple(h[i:i+32])) for i in range(0, len(h)//32*32, 32)]);"
+            "print(history_hashes(c, h, 32))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert outs == {f"{history_hashes(chain_of(history), history, BS)}\n"}
+
+
 def test_session_ids_are_bounded():
     from dynamo.llm.exceptions import InvalidArgument
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -92,8 +91,9 @@ def check_session_id(session_id: str | None) -> None:
 
 
 def tail_digest(anchor: int | None, tail: list[int]) -> int:
-    """Hash of a history's tokens after its last full block, chained to that block's prefix id."""
-    return hash((anchor or _ROOT, len(tail), array("q", tail).tobytes()))
+    """Hash of a history's tokens after its last full block, chained to that block's prefix id
+    (a tuple of ints: the same in every process, unlike a hash of bytes, which is salted)."""
+    return hash((anchor or _ROOT, len(tail), tuple(tail)))
 
 
 def history_hashes(chain: list[int], tokens: list[int], block_size: int) -> tuple[int | None, int]:
