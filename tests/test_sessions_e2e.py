@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from test_router import chat, decisions, deploy, metrics, prefill_tokens_by_decode, sessions_in
 
 SYSTEM = "You are a careful assistant for harbour logistics. Answer briefly and cite the log. " * 62

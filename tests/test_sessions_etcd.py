@@ -1,0 +1,132 @@
+"""The session table against a real etcd: a paged load of more sessions than one gRPC message
+holds, leases replaced when they are gone, read-through, flush on stop, LRU eviction in etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aetcd
+import pytest
+
+from dynamo_ppd.launch.process import free_port, stop_all
+from dynamo_ppd.launch.servers import etcd_process
+from dynamo_ppd.router.sessions import EtcdSessions, SessionRecord, encode
+
+
+@pytest.fixture(scope="module")
+def etcd_url(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sessions-etcd")
+    port = free_port()
+    proc = etcd_process(port, tmp / "data", tmp / "etcd.log")
+    proc.start()
+    deadline = time.monotonic() + 20
+    while not proc.is_ready():
+        assert time.monotonic() < deadline, "etcd did not start"
+        time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}"
+    stop_all([proc])
+
+
+def client_for(url: str) -> aetcd.Client:
+    port = int(url.rsplit(":", 1)[1])
+    return aetcd.Client(host="127.0.0.1", port=port, timeout=10)
+
+
+def test_more_sessions_than_one_grpc_message_holds_are_all_loaded(etcd_url):
+    count = 20_000  # ~470 bytes each: ~9 MB, past gRPC's 4 MiB (one unpaginated range failed)
+
+    async def run():
+        async with client_for(etcd_url) as client:
+            tx = client.transactions
+            for start in range(0, count, 100):
+                await client.transaction(compare=[], success=[
+                    tx.put(f"big/sessions/{i:0200d}".encode(),
+                           encode(SessionRecord(f"{i:0200d}", decode_worker=i, turn=1, context_tokens=900,
+                                                history_hash=i, history_digest=i, last_access=float(i))))
+                    for i in range(start, min(count, start + 100))], failure=[])
+        sessions = EtcdSessions(etcd_url, prefix="big", max_sessions=50_000)
+        await sessions.start()
+        try:
+            assert sessions.healthy and len(sessions.table) == count
+            assert sessions.get(f"{count - 1:0200d}").decode_worker == count - 1
+        finally:
+            await sessions.stop()
+
+    asyncio.run(run())
+
+
+def test_a_revoked_lease_is_replaced_and_the_record_written_again(etcd_url):
+    async def run():
+        sessions = EtcdSessions(etcd_url, prefix="lease", ttl_s=60)
+        await sessions.start()
+        try:
+            await sessions.save(SessionRecord("s1", decode_worker=1, turn=1))
+            old = sessions._leases["s1"]
+            async with client_for(etcd_url) as client:
+                await client.revoke_lease(old)  # behind the router's back: the key goes with it
+                assert (await client.refresh_lease(old)).TTL == 0  # aetcd: no error, TTL 0
+                await asyncio.sleep(0.2)  # the watch delivers the delete
+                await sessions.save(SessionRecord("s1", decode_worker=1, turn=2))
+                found = await client.get(b"lease/sessions/s1")
+                assert found is not None and found.lease != old
+                assert (await client.get_lease_info(found.lease)).TTL > 0
+            assert sessions.healthy
+            # The wedge: the lease died while etcd was away (no delete event reached us), and
+            # the write-back on resync retried the dead lease forever.
+            sessions._set_health(False)
+            for task in [t for t in sessions._tasks if t.get_name() == "etcd-watch"]:
+                task.cancel()
+                sessions._tasks.remove(task)
+            await sessions.save(SessionRecord("s1", decode_worker=1, turn=3))  # dirty
+            async with client_for(etcd_url) as client:
+                await client.revoke_lease(sessions._leases["s1"])
+                await sessions._resync()
+                found = await client.get(b"lease/sessions/s1")
+                assert found is not None and (await client.get_lease_info(found.lease)).TTL > 0
+            assert sessions.healthy and sessions.get("s1").turn == 3
+        finally:
+            await sessions.stop()
+
+    asyncio.run(run())
+
+
+def test_another_replica_reads_a_record_through_before_its_watch_and_stop_flushes(etcd_url):
+    async def run():
+        a = EtcdSessions(etcd_url, prefix="replicas")
+        b = EtcdSessions(etcd_url, prefix="replicas")
+        await a.start()
+        await b.start()
+        try:
+            await a.commit(SessionRecord("conv", decode_worker=7, turn=3))
+            # In etcd when commit returns: a linearizable get finds it, watch or not.
+            b.table.remove("conv")
+            assert (await b.read_through("conv")).turn == 3
+            await a.commit(SessionRecord("late", decode_worker=8, turn=1), wait_s=0)  # still pending
+        finally:
+            await a.stop()  # flushes the pending write
+            await b.stop()
+        async with client_for(etcd_url) as client:
+            assert await client.get(b"replicas/sessions/late") is not None
+
+    asyncio.run(run())
+
+
+def test_sessions_past_the_bound_are_evicted_from_etcd_too(etcd_url):
+    async def run():
+        evicted = []
+        sessions = EtcdSessions(etcd_url, prefix="bound", max_sessions=2,
+                                on_evict=lambda: evicted.append(1))
+        await sessions.start()
+        try:
+            for i in range(3):
+                await sessions.commit(SessionRecord(f"s{i}", decode_worker=i, turn=1,
+                                                    last_access=time.time()))
+            await sessions.flush()
+            async with client_for(etcd_url) as client:
+                keys = sorted(kv.key for kv in await client.get_prefix(b"bound/sessions/"))
+            assert keys == [b"bound/sessions/s1", b"bound/sessions/s2"] and evicted == [1]
+        finally:
+            await sessions.stop()
+
+    asyncio.run(run())
