@@ -130,3 +130,36 @@ def test_sessions_past_the_bound_are_evicted_from_etcd_too(etcd_url):
             await sessions.stop()
 
     asyncio.run(run())
+
+
+def test_a_follow_up_on_a_replica_that_has_not_seen_the_record_yet_is_routed_right(etcd_url):
+    """Two routers on one etcd; the second one's watch lags (stopped here): the follow-up it gets
+    right after the first turn's answer still goes to the conversation's decode worker as turn 2
+    (the record was in etcd before the answer ended, and a header miss reads it through)."""
+    import dataclasses
+
+    from test_router_dispatch import hold, make_router, turn
+
+    async def run():
+        routers = [make_router() for _ in range(2)]
+        for router in routers:
+            router.config = dataclasses.replace(router.config, session_prefix="race")
+            router.sessions = EtcdSessions(etcd_url, prefix="race")
+            await router.sessions.start()
+        a, b = routers
+        try:
+            for task in [t for t in b.sessions._tasks if t.get_name() == "etcd-watch"]:
+                task.cancel()  # b hears nothing more from etcd's watch
+            first = list(range(2000, 2300))
+            out = await turn(a, first, session="raced")
+            decode = a.clients["decode"].sent[-1][0]
+            hold(b, decode, first + out)
+            await turn(b, first + out + [7, 8, 9], session="raced")
+            worker, request = b.clients["decode"].sent[-1]
+            assert worker == decode and "prefill_result" not in request  # decode-local, right worker
+            assert b.sessions.get("raced").turn == 2 and b.clients["prefill"].sent == []
+        finally:
+            for router in routers:
+                await router.sessions.stop()
+
+    asyncio.run(run())
