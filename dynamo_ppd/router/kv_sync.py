@@ -43,7 +43,7 @@ POLL_S = 0.5  # discovery poll: how soon a new worker is rebuilt and a gone one 
 SILENT_AFTER_S = 30.0  # a decode worker busy this long with no KV event ever is "silent"
 # Rebuild schedule (seconds to wait before each try). Two tries even when the first leaves no orphan:
 # Dynamo's router may itself still be recovering the worker when the first dump is taken.
-FIRST_DELAY_S = {"start": 1.0, "discovered": 1.0, "nats_reconnect": 1.0}
+FIRST_DELAY_S = {"start": 0.5, "discovered": 0.5, "nats_reconnect": 0.5}
 DEFAULT_FIRST_DELAY_S = 0.2
 CONFIRM_DELAY_S = 1.5
 RETRY_DELAYS_S = (1.0, 2.0, 4.0)  # further tries while orphans are left
