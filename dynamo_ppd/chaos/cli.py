@@ -1,15 +1,108 @@
-"""`dynamo-ppd chaos` command line (filled in below)."""
+"""`dynamo-ppd chaos`: the workload against a supervised graph, one fault per run, the report."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+from pathlib import Path
 
-DESCRIPTION = "Chaos harness (being built)."
+import msgspec
+
+from .report import REPORT_VERSION, ChaosReport, markdown, passed
+from .run import FAULT_REPLICAS, FAULTS, RunSettings, run_fault
+
+DESCRIPTION = (
+    "Bring up a supervised graph (default ppd, 1P3D; 2P2D for prefill-kill, two router replicas for "
+    "router-restart), play a multi-turn workload against it (default WildChat-like at 2 conv/s) and "
+    "inject one fault at --fault-at: SIGKILL the busiest decode or prefill worker, restart a router "
+    "replica, restart etcd or restart NATS. Each fault gets a fresh graph. Per fault the report "
+    "gives failed requests, truncated streams (no finish_reason, an error event, or fewer tokens "
+    "than max_tokens with ignore_eos), added p99 TTFT (the --window after the fault minus the one "
+    "before) and the recovery time (until the decode-local share of follow-ups, told by their "
+    "cached_tokens, is back to its pre-fault level), as markdown and JSON. Progress on stderr; "
+    "exit 1 when any fault failed or truncated a request.")
+
+
+def _faults(text: str) -> list[str]:
+    faults = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown or not faults:
+        raise argparse.ArgumentTypeError(f"unknown fault {unknown[0] if unknown else text!r}; "
+                                         f"choose from {','.join(FAULTS)}")
+    return faults
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    from ..cli import _replicas
+
+    parser.add_argument("--faults", type=_faults, default=list(FAULTS),
+                        help=f"comma-separated, from {','.join(FAULTS)}; one fresh graph each")
+    parser.add_argument("--graph", default="ppd", help="graph name or YAML path (as for serve)")
+    parser.add_argument("--replicas", type=_replicas, default={},
+                        help="replica counts over each fault's layout (default layouts: "
+                        + "; ".join(f"{k}: {v or 'graph'}" for k, v in FAULT_REPLICAS.items()) + ")")
+    parser.add_argument("--qps", type=float, default=2.0, help="conversation arrival rate (conv/s)")
+    parser.add_argument("--workload", default="wildchat", help="generated workload (docs/manifest.md)")
+    parser.add_argument("--duration", type=float, default=90.0,
+                        help="seconds of the run; no turn is sent after it")
+    parser.add_argument("--fault-at", type=float, default=45.0, help="seconds from the start to the fault")
+    parser.add_argument("--target", help="process label to hit (e.g. decode-1, router-1); default: "
+                        "the busiest decode/prefill worker, the first router replica")
+    parser.add_argument("--window", type=float, default=25.0,
+                        help="seconds before/after the fault compared for p99 TTFT and the pre-fault "
+                        "decode-local share")
+    parser.add_argument("--recovery-window", type=float, default=10.0,
+                        help="window of follow-ups whose decode-local share must be back")
+    parser.add_argument("--tolerance", type=float, default=0.05,
+                        help="how far under the pre-fault share still counts as recovered")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--out", type=Path, default=Path("docs/chaos"),
+                        help="report path without extension: writes OUT.md and OUT.json")
+    parser.add_argument("--records", action="store_true",
+                        help="also write every turn record to OUT-records.json")
+    parser.add_argument("--run-root", type=Path, default=Path("runs/chaos"),
+                        help="where each fault's graph keeps its logs")
 
 
 def main(args: argparse.Namespace) -> int:
-    return 2
+    from ..bench.workloads import UnknownWorkload, make_workload
+
+    if not 0 < args.fault_at < args.duration:
+        print("dynamo-ppd: error: --fault-at must be inside the run (0 < --fault-at < --duration)",
+              file=sys.stderr)
+        return 2
+    try:
+        manifest = make_workload(args.workload, args.qps, args.duration, args.seed)
+    except (UnknownWorkload, ValueError) as exc:
+        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
+        return 2
+    settings = RunSettings(graph=args.graph, rate=args.qps, duration_s=args.duration,
+                           fault_at_s=args.fault_at, workload=args.workload, seed=args.seed,
+                           replicas=args.replicas, target=args.target, window_s=args.window,
+                           recovery_window_s=args.recovery_window, tolerance=args.tolerance,
+                           run_root=args.run_root)
+    results, records = [], {}
+    for kind in args.faults:
+        result, turns = run_fault(kind, settings, manifest)
+        results.append(result)
+        records[kind] = turns
+    command = " ".join(["dynamo-ppd", "chaos", *(sys.argv[2:] if sys.argv[1:2] == ["chaos"] else [])])
+    report = ChaosReport(REPORT_VERSION, command, args.workload, args.qps, args.duration, args.window,
+                         args.recovery_window, args.tolerance, results)
+    table = markdown(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
+    args.out.with_suffix(".md").write_text(
+        f"# Chaos run\n\n`{command}` ({time.strftime('%Y-%m-%d')}): {args.workload} at {args.qps:g} conv/s, "
+        f"{args.duration:g} s per fault, fault at {args.fault_at:g} s, a fresh supervised graph per "
+        f"fault. Windows: {args.window:g} s before/after for p99 TTFT and the decode-local share; "
+        f"recovery = first {args.recovery_window:g} s window of follow-ups back within "
+        f"{100 * args.tolerance:g} points of the pre-fault share (dynamo_ppd/chaos/report.py).\n\n"
+        f"{table}\n")
+    if args.records:
+        path = args.out.with_name(args.out.name + "-records.json")
+        path.write_bytes(msgspec.json.encode(records))
+    print(table)
+    print(f"\nwrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')}")
+    return 0 if all(passed(r) for r in results) else 1

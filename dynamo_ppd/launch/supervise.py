@@ -139,8 +139,8 @@ class Supervisor:
         now = time.monotonic()
         for proc in self._processes():
             state = self._states.setdefault(proc.label, _State())
-            event = state.event
-            if event is not None and event.started_at is not None and event.ready_at is None:
+            pending = state.event
+            if pending is not None and pending.started_at is not None and pending.ready_at is None:
                 self._check_ready(proc, state)
             if proc.label in self._busy:
                 continue

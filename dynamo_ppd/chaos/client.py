@@ -1,0 +1,128 @@
+"""The chaos client: plays a manifest like the benchmark's client (bench/client.py: one asyncio task
+per conversation, real history, ``x-dynamo-session-id``, ``max_tokens`` with ``ignore_eos``) but
+records what a fault can break in each answer: the ``finish_reason``, the token count against
+``max_tokens``, error events, and the usage's ``cached_tokens`` (decode-local or not, report.py).
+
+A failed turn ends its conversation (there is no answer to put in the history); a truncated one
+goes on with the partial answer, as a user who saw half a reply would still type the next message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import httpx
+
+from ..bench.client import TokenText
+from ..bench.manifest import Manifest, ManifestConversation
+from .report import TurnRecord
+
+TIMEOUT_S = 60.0  # per request; a fault may stall a turn, but one this long counts as failed
+
+
+class _Answer:
+    def __init__(self) -> None:
+        self.text = ""
+        self.chunks = 0  # content chunks (a fallback token count when no usage arrives)
+        self.ttft: float | None = None
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+        self.error: str | None = None
+
+
+async def chat_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
+                    max_tokens: int, session: str) -> tuple[_Answer, float]:
+    """One streamed chat completion; returns the answer and its end-to-end time."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    answer = _Answer()
+    sent = time.monotonic()
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=TIMEOUT_S,
+                                 headers={"x-dynamo-session-id": session}) as response:
+            if response.status_code != 200:
+                answer.error = f"HTTP {response.status_code}: {(await response.aread())[:160]!r}"
+                return answer, time.monotonic() - sent
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    if line.startswith("event: error"):
+                        answer.error = answer.error or "error event"
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    answer.error = f"error event: {str(chunk['error'])[:160]}"
+                    continue
+                answer.usage = chunk.get("usage") or answer.usage
+                for choice in chunk.get("choices", []):
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        if answer.ttft is None:
+                            answer.ttft = time.monotonic() - sent
+                        answer.chunks += 1
+                        answer.text += content
+                    if choice.get("finish_reason"):
+                        answer.finish_reason = choice["finish_reason"]
+    except (httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
+        answer.error = f"{type(exc).__name__}: {exc}"[:200]
+    return answer, time.monotonic() - sent
+
+
+def classify(answer: _Answer, max_tokens: int, e2e_s: float) -> tuple[str, int]:
+    """("ok" | "failed" | "truncated", output tokens)."""
+    usage = answer.usage or {}
+    tokens = int(usage.get("completion_tokens") or answer.chunks)
+    if answer.ttft is None:
+        return "failed", 0
+    if answer.error or e2e_s > TIMEOUT_S or answer.finish_reason is None or tokens < max_tokens:
+        return "truncated", tokens
+    return "ok", tokens
+
+
+async def play(url: str, manifest: Manifest, t0: float, seed: int = 0,
+               on_record: Callable[[TurnRecord], None] | None = None,
+               stop_sending_s: float | None = None) -> list[TurnRecord]:
+    """Play ``manifest`` against ``url``; times are from ``t0`` (time.monotonic()). No turn is sent
+    after ``stop_sending_s`` (the run's end), so a long conversation cannot stretch it."""
+    url = url.rstrip("/")
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    records: list[TurnRecord] = []
+    async with httpx.AsyncClient(limits=limits, timeout=TIMEOUT_S) as client:
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        text = TokenText(seed)
+
+        async def conversation(conv: ManifestConversation) -> None:
+            session = f"chaos-{seed}-{conv.conversation_id}-{time.time_ns()}"
+            messages: list[dict] = []
+            due = conv.arrival_s
+            prev_prompt: int | None = None
+            for index, turn in enumerate(conv.turns, start=1):
+                if index > 1:
+                    due = time.monotonic() - t0 + turn.think_time_s
+                if stop_sending_s is not None and due > stop_sending_s:
+                    return
+                await asyncio.sleep(max(0.0, t0 + due - time.monotonic()))
+                content = turn.user_text if turn.user_text is not None else text(turn.user_tokens or 1)
+                messages.append({"role": "user", "content": content})
+                sent = time.monotonic() - t0
+                answer, e2e = await chat_turn(client, url, model, messages, turn.max_tokens, session)
+                status, tokens = classify(answer, turn.max_tokens, e2e)
+                usage = answer.usage or {}
+                details = usage.get("prompt_tokens_details") or {}
+                record = TurnRecord(
+                    conv.conversation_id, index, round(sent, 4), status, turn.max_tokens, tokens,
+                    answer.ttft, e2e if status != "failed" else None, answer.finish_reason,
+                    usage.get("prompt_tokens"), details.get("cached_tokens"),
+                    prev_prompt if index > 1 else None, answer.error)
+                records.append(record)
+                if on_record:
+                    on_record(record)
+                if status == "failed":
+                    return
+                prev_prompt = usage.get("prompt_tokens")
+                messages.append({"role": "assistant", "content": answer.text})
+
+        await asyncio.gather(*(conversation(c) for c in manifest.conversations))
+    return records

@@ -1,0 +1,193 @@
+"""One chaos run per fault: a fresh supervised graph, the workload, the fault at its time, the turn
+records, the analysis (report.py). The adapters around the pure report: processes, HTTP, clocks.
+
+Faults (each on its own graph so one cannot colour the next):
+
+- ``decode-kill``: SIGKILL the decode worker with the most requests in flight (its Dynamo system
+  metrics), or ``--target``; the supervisor starts it again (empty KV cache, new instance id);
+- ``prefill-kill``: the same for a prefill worker, on 2P2D by default;
+- ``router-restart``: SIGTERM one of two router replicas and start it again (a rolling restart);
+- ``etcd-restart``: SIGTERM etcd and start it again on the same data directory;
+- ``nats-restart``: SIGTERM nats-server and start it again (same JetStream store directory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from ..bench.manifest import Manifest
+from ..launch import Deployment, ServeOptions, start
+from ..launch.process import free_port
+from .client import play
+from .report import Fault, FaultResult, TurnRecord, analyze
+
+FAULTS = ("decode-kill", "prefill-kill", "router-restart", "etcd-restart", "nats-restart")
+
+# The layout each fault runs on (over the graph's own counts; --replicas overrides).
+FAULT_REPLICAS: dict[str, dict[str, int]] = {
+    "decode-kill": {},
+    "prefill-kill": {"prefill": 2, "decode": 2},
+    "router-restart": {"router": 2},
+    "etcd-restart": {},
+    "nats-restart": {},
+}
+
+
+@dataclass
+class RunSettings:
+    graph: str = "ppd"
+    rate: float = 2.0
+    duration_s: float = 90.0  # arrivals; no turn is sent after it
+    fault_at_s: float = 45.0
+    workload: str = "wildchat"
+    seed: int = 0
+    replicas: dict[str, int] = field(default_factory=dict)
+    target: str | None = None  # a process label; default: chosen per fault
+    window_s: float = 25.0
+    recovery_window_s: float = 10.0
+    tolerance: float = 0.05
+    run_root: Path = Path("runs/chaos")
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
+_INFLIGHT = re.compile(r'^dynamo_component_inflight_requests\{[^}]*dynamo_endpoint="generate"[^}]*\}\s+(\S+)',
+                       re.MULTILINE)
+
+
+def inflight(dep: Deployment, label: str) -> float:
+    """Requests in flight on a worker's generate endpoint (Dynamo's system metrics); -1 if unread."""
+    port = dep.process(label).env.get("DYN_SYSTEM_PORT")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:  # noqa: S310
+            text = response.read().decode()
+    except OSError:
+        return -1.0
+    return sum(float(v) for v in _INFLIGHT.findall(text))
+
+
+def choose_target(dep: Deployment, kind: str, named: str | None) -> tuple[str, float | None]:
+    """The process to hit and the requests it has in flight (None where not a worker)."""
+    if named:
+        label = dep.process(named).label
+        seen = inflight(dep, label) if dep.process(label).env.get("DYN_SYSTEM_PORT") else -1.0
+        return label, None if seen < 0 else seen
+    if kind in ("decode-kill", "prefill-kill"):
+        labels = dep.labels("decode" if kind == "decode-kill" else "prefill")
+        if not labels:
+            raise ValueError(f"the graph has no {kind.split('-')[0]} worker to kill")
+        # The busiest one: the most answers to break, the most sessions to move.
+        load = {label: inflight(dep, label) for label in labels}
+        _say(f"  requests in flight: {', '.join(f'{k} {v:g}' for k, v in load.items())}")
+        busiest = max(labels, key=lambda label: load[label])
+        return busiest, load[busiest]
+    if kind == "router-restart":
+        label = dep.labels("router")[0]
+        return label, inflight(dep, label)
+    return ("etcd" if kind == "etcd-restart" else "nats-server"), None
+
+
+def inject(dep: Deployment, kind: str, target: str) -> float | None:
+    """Inject the fault; block until the process is back and ready; seconds it took (None: never)."""
+    assert dep.supervisor is not None
+    went_down = time.monotonic()
+    if kind.endswith("-kill"):
+        before = dep.supervisor.restarts(target)
+        dep.kill(target, signal.SIGKILL)
+        deadline = went_down + 90
+        while time.monotonic() < deadline:
+            events = [e for e in dep.supervisor.events if e.label == target]
+            if dep.supervisor.restarts(target) > before and events[-1].ready_at is not None:
+                return events[-1].ready_at - went_down
+            time.sleep(0.1)
+        return None
+    try:
+        event = dep.restart(target, timeout_s=90)
+    except TimeoutError:
+        return None
+    return None if event.ready_at is None else event.ready_at - went_down
+
+
+class _Progress:
+    def __init__(self, label: str):
+        self.label, self.done, self.failed, self.truncated = label, 0, 0, 0
+        self.last = 0.0
+
+    def __call__(self, record: TurnRecord) -> None:
+        self.done += 1
+        self.failed += record.status == "failed"
+        self.truncated += record.status == "truncated"
+        if record.status != "ok":
+            _say(f"  {self.label}: turn {record.turn} of {record.conversation_id} {record.status} at "
+                 f"{record.sent_s:.1f} s: {record.error or record.finish_reason or 'short'}")
+        now = time.monotonic()
+        if now - self.last > 10:
+            self.last = now
+            _say(f"  {self.label}: {self.done} turns, {self.failed} failed, {self.truncated} truncated")
+
+
+async def _play_with_fault(dep: Deployment, manifest: Manifest, settings: RunSettings, kind: str,
+                           progress: _Progress) -> tuple[list[TurnRecord], Fault]:
+    t0 = time.monotonic()
+    fault: list[Fault] = []
+
+    async def fault_task() -> None:
+        await asyncio.sleep(max(0.0, t0 + settings.fault_at_s - time.monotonic()))
+        target, load = await asyncio.to_thread(choose_target, dep, kind, settings.target)
+        at = time.monotonic() - t0
+        _say(f"  {kind}: {target} at {at:.1f} s")
+        back = await asyncio.to_thread(inject, dep, kind, target)
+        _say(f"  {kind}: {target} back (ready) after {back:.1f} s" if back is not None
+             else f"  {kind}: {target} NOT back within 90 s")
+        fault.append(Fault(kind, target, round(at, 3), back_after_s=None if back is None else round(back, 3),
+                           target_inflight=load))
+
+    faulting = asyncio.create_task(fault_task())
+    records = await play(dep.base_url, manifest, t0, seed=settings.seed, on_record=progress,
+                         stop_sending_s=settings.duration_s)
+    await faulting
+    return records, fault[0]
+
+
+def run_fault(kind: str, settings: RunSettings, manifest: Manifest) -> tuple[FaultResult, list[TurnRecord]]:
+    replicas = {**FAULT_REPLICAS[kind], **settings.replicas}
+    layout = ",".join(f"{k}={v}" for k, v in replicas.items()) or "graph defaults"
+    run_dir = settings.run_root / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    _say(f"{kind}: bringing up {settings.graph} ({layout}, supervised), logs in {run_dir}/logs")
+    dep = start(ServeOptions(graph=settings.graph, http_port=free_port(), nats_port=free_port(),
+                             etcd_port=free_port(), run_dir=run_dir, replicas=replicas, supervise=True),
+                log=lambda m: None)
+    try:
+        counts = {c.name: c.replicas for c in dep.graph.components}
+        graph = f"{counts.get('prefill', 0)}P{counts.get('decode', 0)}D" + (
+            f", {counts['router']} routers" if counts.get("router", 1) > 1 else "")
+        progress = _Progress(kind)
+        _say(f"{kind}: playing {len(manifest.conversations)} conversations over {settings.duration_s:.0f} s "
+             f"at {settings.rate:g} conv/s; fault at {settings.fault_at_s:.0f} s")
+        records, fault = asyncio.run(_play_with_fault(dep, manifest, settings, kind, progress))
+        events = dep.supervisor.events if dep.supervisor else []
+        # e.g. a worker that exited because etcd went away: part of the fault's effect.
+        others = [f"{e.label} (exit {e.exit_code})" for e in events if e.label != fault.target]
+        if others:
+            _say(f"{kind}: other processes restarted by the supervisor: {', '.join(others)}")
+    finally:
+        dep.stop()
+    fault = msgspec.structs.replace(fault, graph=graph)
+    result = analyze(records, fault, window_s=settings.window_s,
+                     recovery_window_s=settings.recovery_window_s, tolerance=settings.tolerance)
+    result = msgspec.structs.replace(result, other_restarts=others)
+    _say(f"{kind}: {result.requests} turns, {result.failed} failed, {result.truncated} truncated, "
+         f"recovery {result.recovery_s} s")
+    return result, records

@@ -1,0 +1,86 @@
+"""The chaos report's arithmetic (pure) and the client's verdict on one answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynamo_ppd.chaos.client import _Answer, classify
+from dynamo_ppd.chaos.report import Fault, TurnRecord, analyze, decode_local, markdown, p99, passed
+
+
+def turn(sent: float, *, local: bool | None = True, ttft: float = 0.1, status: str = "ok",
+         turn_no: int = 2, conv: str = "c") -> TurnRecord:
+    prev = 1000
+    cached = None if local is None else (1200 if local else 960)
+    return TurnRecord(conv, turn_no, sent, status, 100, 100 if status == "ok" else 10, ttft, 1.0,
+                      "length", 1400, cached, prev if turn_no > 1 else None)
+
+
+def test_decode_local_is_told_by_cached_tokens_beyond_the_previous_prompt():
+    assert decode_local(turn(1, local=True)) is True
+    assert decode_local(turn(1, local=False)) is False  # prefill's cache: at most the previous prompt
+    assert decode_local(turn(1, local=None)) is None
+    assert decode_local(turn(1, turn_no=1)) is None  # a first turn is no follow-up
+    assert decode_local(turn(1, status="truncated")) is None
+
+
+def test_p99_is_nearest_rank():
+    assert p99([]) is None
+    assert p99([3.0]) == 3.0
+    assert p99([float(i) for i in range(1, 101)]) == 99.0
+    assert p99([1.0] * 50 + [9.0]) == 9.0  # with 51 samples the worst one is the p99
+
+
+def test_failures_truncations_added_ttft_and_recovery():
+    records = [turn(t, ttft=0.1) for t in range(0, 20)]  # before: all decode-local, p99 0.1 s
+    records.append(turn(20.2, status="failed", ttft=0.0, local=None))
+    records.append(turn(20.4, status="truncated"))
+    # After the fault at 20 s: 6 s of via-prefill follow-ups with slow first tokens, then back.
+    records += [turn(20 + 0.5 * k, local=False, ttft=0.9) for k in range(1, 12)]
+    records += [turn(26 + 0.5 * k, local=True, ttft=0.1) for k in range(0, 40)]
+    fault = Fault("decode-kill", "decode-1", 20.0, "1P3D", 2.5, target_inflight=3)
+    result = analyze(records, fault, window_s=20, recovery_window_s=5, tolerance=0.05, step_s=0.5)
+    assert (result.failed, result.truncated, result.requests) == (1, 1, len(records))
+    assert result.decode_local_before == 1.0 and result.follow_ups_before == 20
+    assert result.ttft_p99_before_s == pytest.approx(0.1)
+    assert result.ttft_p99_after_s == pytest.approx(0.9)
+    assert result.added_ttft_p99_s == pytest.approx(0.8)
+    # The first 5-s window at >= 95% decode-local starts when the via-prefill turns are over.
+    assert result.recovery_s == pytest.approx(6.0)
+    assert result.decode_local_after == 1.0
+    assert not passed(result)
+    table = markdown([result])
+    assert "| decode-kill | 1P3D | decode-1 (3) | 2.50 s |" in table and "| 6.00 s |" in table
+
+
+def test_a_share_that_never_comes_back_is_not_recovered():
+    records = [turn(t) for t in range(0, 20)] + [turn(20 + k, local=k % 2 == 0) for k in range(30)]
+    result = analyze(records, Fault("etcd-restart", "etcd", 20.0), recovery_window_s=10)
+    assert result.recovery_s is None
+    assert result.decode_local_after == pytest.approx(0.5)
+    assert "not recovered" in markdown([result])
+    assert passed(result)  # nothing failed: the target is about requests, recovery is reported
+
+
+def test_an_unaffected_run_recovers_at_once():
+    records = [turn(0.5 * k, local=k % 10 != 0) for k in range(120)]  # 90% decode-local throughout
+    result = analyze(records, Fault("nats-restart", "nats-server", 30.0), recovery_window_s=10)
+    assert result.recovery_s == 0.0
+    assert result.decode_local_before == pytest.approx(0.9)
+
+
+def answer(tokens: int, *, ttft: float | None = 0.1, finish: str | None = "length",
+           error: str | None = None, usage: bool = True) -> _Answer:
+    a = _Answer()
+    a.ttft, a.finish_reason, a.error, a.chunks = ttft, finish, error, tokens
+    a.usage = {"completion_tokens": tokens} if usage else None
+    return a
+
+
+def test_classify_an_answer():
+    assert classify(answer(64), 64, 1.0) == ("ok", 64)
+    assert classify(answer(0, ttft=None, error="HTTP 503: no workers"), 64, 0.1) == ("failed", 0)
+    assert classify(answer(20, finish=None, usage=False), 64, 1.0) == ("truncated", 20)  # stream cut
+    assert classify(answer(64, error="error event: worker died"), 64, 1.0)[0] == "truncated"
+    assert classify(answer(40), 64, 1.0) == ("truncated", 40)  # ignore_eos: short = cut
+    assert classify(answer(64), 64, 61.0)[0] == "truncated"  # past the client's timeout
