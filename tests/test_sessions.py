@@ -108,6 +108,7 @@ def test_the_table_is_bounded_least_recently_used_first():
     assert len(table) == 3 and table.get("auto-1") is None
     assert find(table, SYSTEM + [1, 0]) is None  # its index entry went with it
     assert find(table, SYSTEM + [0, 0]) == "auto-0"
+    assert table.expire(now=10_000.0, ttl_s=60) == 3 and len(table) == 0  # all idle since t=0
 
 
 def test_history_hashes_are_the_same_in_every_process():
