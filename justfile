@@ -49,3 +49,8 @@ tables:
 # The paper's Table 1, Table 3, Fig. 5 and Fig. 6 on the simulated H100 cluster -> docs/results.md.
 reproduce *args:
     uv run python -m dynamo_ppd.bench.reproduce {{args}}
+
+# Chaos run: 2 conv/s WildChat-like on supervised graphs, one fault each (decode/prefill SIGKILL,
+# router/etcd/NATS restart) -> docs/chaos.md, docs/chaos.json (see `dynamo-ppd chaos --help`).
+chaos *args:
+    uv run dynamo-ppd chaos --out docs/chaos {{args}}
