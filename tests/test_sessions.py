@@ -179,3 +179,37 @@ def test_a_long_session_id_is_a_400_before_any_work():
         assert len(router.sessions.table) == 0
 
     asyncio.run(run())
+
+
+def test_with_etcd_away_a_header_miss_is_routed_by_residency():
+    """A follow-up whose previous turn another replica recorded while etcd was away: this
+    replica has no record, but the decode worker holding most of its prompt takes it."""
+    from test_router_dispatch import hold, make_router, turn
+
+    async def run():
+        a, b = make_router(), make_router()  # never started: etcd is away for both
+        first = list(range(2000, 2300))
+        out = await turn(a, first, session="outage")
+        decode = a.clients["decode"].sent[-1][0]
+        hold(b, decode, first + out)
+        await turn(b, first + out + [1, 2, 3], session="outage")
+        worker, request = b.clients["decode"].sent[-1]
+        assert worker == decode and "prefill_result" not in request and b.sessions.get("outage").turn == 2
+        await turn(b, list(range(5000, 5100)), session="new-one")  # nobody holds it: a first turn
+        assert b.sessions.get("new-one").turn == 1 and len(b.clients["prefill"].sent) == 1
+
+    asyncio.run(run())
+
+
+def test_the_request_rate_is_the_sum_of_the_replicas_fresh_rates():
+    from dynamo_ppd.policy.qps import SlidingWindowRate
+    from dynamo_ppd.router.rate_share import RateReport, SharedRate
+
+    mine = SharedRate(SlidingWindowRate(window_s=10.0), router_id="r1", fresh_s=3.0)
+    for i in range(40):
+        mine.record(90.25 + i * 0.5)  # 2 requests/s over the last 10 s
+    assert mine.rate(110.0) == pytest.approx(2.0)
+    mine.peer_report(RateReport("r2", 3.0), now=109.0)
+    mine.peer_report(RateReport("r1", 99.0), now=109.0)  # its own report, echoed back: ignored
+    assert mine.rate(110.0) == pytest.approx(5.0)
+    assert mine.rate(112.5) == pytest.approx(mine.local_rate(112.5))  # r2 went stale

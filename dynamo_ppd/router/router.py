@@ -419,7 +419,9 @@ class PpdRouter:
         A new fork has no record (X's is never touched, so X's owner keeps its decode worker and
         its next turn matches) and is routed by residency, as a follow-up of whatever history the
         decode workers hold (turn X's + 1: the number the client implied); its own record is then
-        written under the fork's id, where its next turn finds it."""
+        written under the fork's id, where its next turn finds it. A header nobody has recorded
+        is a new conversation, unless etcd is away (then residency decides: see below).
+        Record None with turn > 1: route by residency."""
         check_session_id(header_id)
         if header_id is None:
             record = self.sessions.find_by_prefix(chain, tokens)
@@ -428,7 +430,13 @@ class PpdRouter:
             return record, record.session_id, record.turn + 1
         record = self.sessions.get(header_id) or await self.sessions.read_through(header_id)
         if record is None:
-            return None, header_id, 1
+            if self.sessions.healthy:
+                return None, header_id, 1  # etcd has no such session: a new conversation
+            # etcd is away, so another replica's record of it may exist unseen: when a decode
+            # worker holds most of the prompt, this is a follow-up of the history it holds.
+            held = self.residency.held_by_worker(chain, self.clients["decode"].instance_ids())
+            share = max(held.values(), default=0) * self.config.block_size / len(tokens)
+            return None, header_id, 2 if share >= self.config.min_resident_fraction else 1
         if self.sessions.table.continues(record, chain, tokens):
             return record, header_id, record.turn + 1
         self.metrics.session_forks.inc()
