@@ -84,3 +84,13 @@ def test_classify_an_answer():
     assert classify(answer(64, error="error event: worker died"), 64, 1.0)[0] == "truncated"
     assert classify(answer(40), 64, 1.0) == ("truncated", 40)  # ignore_eos: short = cut
     assert classify(answer(64), 64, 61.0)[0] == "truncated"  # past the client's timeout
+
+
+def test_router_counter_deltas_sum_replicas_and_survive_a_restart():
+    from dynamo_ppd.chaos.report import counter_delta
+
+    before = {"router-0@10": {"ppd_migrations_total": 2.0, "ppd_rehomes_total": 5.0},
+              "router-1@11": {"ppd_migrations_total": 1.0}}
+    after = {"router-0@10": {"ppd_migrations_total": 3.0, "ppd_rehomes_total": 5.0},
+             "router-1@12": {"ppd_migrations_total": 4.0}}  # router-1 restarted (new pid): from 0
+    assert counter_delta(before, after) == {"ppd_migrations_total": 5.0}

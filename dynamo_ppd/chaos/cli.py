@@ -65,6 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where each fault's graph keeps its logs")
 
 
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                              timeout=10, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def main(args: argparse.Namespace) -> int:
     from ..bench.workloads import UnknownWorkload, make_workload
 
@@ -88,13 +98,14 @@ def main(args: argparse.Namespace) -> int:
         results.append(result)
         records[kind] = turns
     command = " ".join(["dynamo-ppd", "chaos", *(sys.argv[2:] if sys.argv[1:2] == ["chaos"] else [])])
+    commit = _commit()
     report = ChaosReport(REPORT_VERSION, command, args.workload, args.qps, args.duration, args.window,
-                         args.recovery_window, args.tolerance, results)
+                         args.recovery_window, args.tolerance, results, commit)
     table = markdown(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
     args.out.with_suffix(".md").write_text(
-        f"# Chaos run\n\n`{command}` ({time.strftime('%Y-%m-%d')}): {args.workload} at {args.qps:g} conv/s, "
+        f"# Chaos run\n\n`{command}` ({time.strftime('%Y-%m-%d')}, tree {commit or 'unknown'}): {args.workload} at {args.qps:g} conv/s, "
         f"{args.duration:g} s per fault, fault at {args.fault_at:g} s, a fresh supervised graph per "
         f"fault. Windows: {args.window:g} s before/after for p99 TTFT and the decode-local share; "
         f"recovery = first {args.recovery_window:g} s window of follow-ups back within "

@@ -77,6 +77,9 @@ class FaultResult(msgspec.Struct, frozen=True):
     recovery_s: float | None  # None: not back to the pre-fault share within the run
     errors: list[str] = []  # a few distinct error messages, for the reader
     other_restarts: list[str] = []  # processes the supervisor restarted besides the target
+    # The routers' counters from the fault to the end of the run (summed over replicas):
+    # migrations, residency misses, re-homes, errors, follow-up decisions by route and reason.
+    router_counters: dict[str, float] = {}
 
 
 class ChaosReport(msgspec.Struct):
@@ -89,6 +92,7 @@ class ChaosReport(msgspec.Struct):
     recovery_window_s: float
     tolerance: float
     results: list[FaultResult]
+    commit: str = ""  # the tree measured (git describe --always --dirty), when known
 
 
 def decode_local(record: TurnRecord) -> bool | None:
@@ -149,6 +153,20 @@ def analyze(records: list[TurnRecord], fault: Fault, *, window_s: float = 20.0,
         follow_ups_before=n_before, follow_ups_after=n_after, recovery_s=recovery_s, errors=errors)
 
 
+def counter_delta(before: dict[str, dict[str, float]],
+                  after: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Counter increase from ``before`` to ``after``, summed over processes. Processes are keyed by
+    label and pid (``router-0@1234``): one started in between (a restart) counts from zero."""
+    total: dict[str, float] = {}
+    for process, counters in after.items():
+        old = before.get(process, {})
+        for name, value in counters.items():
+            grown = value - old.get(name, 0.0)
+            if grown:
+                total[name] = total.get(name, 0.0) + grown
+    return dict(sorted(total.items()))
+
+
 def _s(value: float | None, unit: str = " s") -> str:
     return "–" if value is None else f"{value:.2f}{unit}"
 
@@ -173,6 +191,10 @@ def markdown(results: list[FaultResult]) -> str:
                     f"| {_pct(r.decode_local_after)} ({r.follow_ups_after}) | {recovery} |")
     notes = [f"- {r.kind}: also restarted by the supervisor: {', '.join(r.other_restarts)}"
              for r in results if r.other_restarts]
+    notes += [f"- {r.kind}: router counters from the fault on: "
+              + ", ".join(f"{k.removesuffix('_total').removeprefix('ppd_')} {v:g}"
+                          for k, v in r.router_counters.items())
+              for r in results if r.router_counters]
     notes += [f"- {r.kind}: errors seen: {'; '.join(r.errors)}" for r in results if r.errors]
     return "\n".join(rows) + ("\n\n" + "\n".join(notes) if notes else "")
 

@@ -28,7 +28,7 @@ from ..bench.manifest import Manifest
 from ..launch import Deployment, ServeOptions, start
 from ..launch.process import free_port
 from .client import play
-from .report import Fault, FaultResult, TurnRecord, analyze
+from .report import Fault, FaultResult, TurnRecord, analyze, counter_delta
 
 FAULTS = ("decode-kill", "prefill-kill", "router-restart", "etcd-restart", "nats-restart")
 
@@ -76,6 +76,37 @@ def inflight(dep: Deployment, label: str) -> float:
     except OSError:
         return -1.0
     return sum(float(v) for v in _INFLIGHT.findall(text))
+
+
+ROUTER_COUNTERS = ("ppd_migrations_total", "ppd_residency_misses_total", "ppd_rehomes_total",
+                   "ppd_request_errors_total", "ppd_residency_resyncs_total", "ppd_residency_gaps_total",
+                   "ppd_residency_orphans_total")
+
+
+def router_counters(dep: Deployment) -> dict[str, dict[str, float]]:
+    """Per router process (``label@pid``): the counters of ROUTER_COUNTERS (summed over labels)
+    and the follow-up decisions by route and reason (``follow_up:<route>:<reason>``). Unreadable
+    routers are left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, float]] = {}
+    for label, url in dep.metrics_urls.items():
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (loopback)
+                text = response.read().decode()
+        except OSError:
+            continue
+        counters: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in ROUTER_COUNTERS:
+                    counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
+                elif sample.name == "ppd_decisions_total" and sample.labels.get("turn") == "follow_up":
+                    key = f"follow_up:{sample.labels.get('route')}:{sample.labels.get('reason')}"
+                    counters[key] = counters.get(key, 0.0) + sample.value
+        popen = dep.process(label).popen
+        out[f"{label}@{popen.pid if popen else 0}"] = counters
+    return out
 
 
 def choose_target(dep: Deployment, kind: str, named: str | None) -> tuple[str, float | None]:
@@ -139,13 +170,15 @@ class _Progress:
 
 
 async def _play_with_fault(dep: Deployment, manifest: Manifest, settings: RunSettings, kind: str,
-                           progress: _Progress) -> tuple[list[TurnRecord], Fault]:
+                           progress: _Progress) -> tuple[list[TurnRecord], Fault, dict[str, float]]:
     t0 = time.monotonic()
     fault: list[Fault] = []
+    snapshots: list[dict[str, dict[str, float]]] = []
 
     async def fault_task() -> None:
         await asyncio.sleep(max(0.0, t0 + settings.fault_at_s - time.monotonic()))
         target, load = await asyncio.to_thread(choose_target, dep, kind, settings.target)
+        snapshots.append(await asyncio.to_thread(router_counters, dep))
         at = time.monotonic() - t0
         _say(f"  {kind}: {target} at {at:.1f} s")
         back = await asyncio.to_thread(inject, dep, kind, target)
@@ -158,7 +191,8 @@ async def _play_with_fault(dep: Deployment, manifest: Manifest, settings: RunSet
     records = await play(dep.base_url, manifest, t0, seed=settings.seed, on_record=progress,
                          stop_sending_s=settings.duration_s)
     await faulting
-    return records, fault[0]
+    snapshots.append(await asyncio.to_thread(router_counters, dep))
+    return records, fault[0], counter_delta(snapshots[0], snapshots[1])
 
 
 def run_fault(kind: str, settings: RunSettings, manifest: Manifest) -> tuple[FaultResult, list[TurnRecord]]:
@@ -176,7 +210,7 @@ def run_fault(kind: str, settings: RunSettings, manifest: Manifest) -> tuple[Fau
         progress = _Progress(kind)
         _say(f"{kind}: playing {len(manifest.conversations)} conversations over {settings.duration_s:.0f} s "
              f"at {settings.rate:g} conv/s; fault at {settings.fault_at_s:.0f} s")
-        records, fault = asyncio.run(_play_with_fault(dep, manifest, settings, kind, progress))
+        records, fault, counters = asyncio.run(_play_with_fault(dep, manifest, settings, kind, progress))
         events = dep.supervisor.events if dep.supervisor else []
         # e.g. a worker that exited because etcd went away: part of the fault's effect.
         others = [f"{e.label} (exit {e.exit_code})" for e in events if e.label != fault.target]
@@ -187,7 +221,7 @@ def run_fault(kind: str, settings: RunSettings, manifest: Manifest) -> tuple[Fau
     fault = msgspec.structs.replace(fault, graph=graph)
     result = analyze(records, fault, window_s=settings.window_s,
                      recovery_window_s=settings.recovery_window_s, tolerance=settings.tolerance)
-    result = msgspec.structs.replace(result, other_restarts=others)
+    result = msgspec.structs.replace(result, other_restarts=others, router_counters=counters)
     _say(f"{kind}: {result.requests} turns, {result.failed} failed, {result.truncated} truncated, "
          f"recovery {result.recovery_s} s")
     return result, records
