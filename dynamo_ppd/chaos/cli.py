@@ -105,7 +105,8 @@ def main(args: argparse.Namespace) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
     args.out.with_suffix(".md").write_text(
-        f"# Chaos run\n\n`{command}` ({time.strftime('%Y-%m-%d')}, tree {commit or 'unknown'}): {args.workload} at {args.qps:g} conv/s, "
+        f"# Chaos run\n\n`{command}` ({time.strftime('%Y-%m-%d')}, tree {commit or 'unknown'}): "
+        f"{args.workload} at {args.qps:g} conv/s, "
         f"{args.duration:g} s per fault, fault at {args.fault_at:g} s, a fresh supervised graph per "
         f"fault. Windows: {args.window:g} s before/after for p99 TTFT and the decode-local share; "
         f"recovery = first {args.recovery_window:g} s window of follow-ups back within "
