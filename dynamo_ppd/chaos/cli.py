@@ -12,6 +12,8 @@ import msgspec
 from .report import REPORT_VERSION, ChaosReport, markdown, passed
 from .run import FAULT_REPLICAS, FAULTS, RunSettings, run_fault
 
+NOTES_MARKER = "<!-- notes: kept when the report is rewritten -->"
+
 DESCRIPTION = (
     "Bring up a supervised graph (default ppd, 1P3D; 2P2D for prefill-kill, two router replicas for "
     "router-restart), play a multi-turn workload against it (default WildChat-like at 2 conv/s) and "
@@ -104,14 +106,18 @@ def main(args: argparse.Namespace) -> int:
     table = markdown(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
-    args.out.with_suffix(".md").write_text(
+    md = args.out.with_suffix(".md")
+    # Hand-written notes under NOTES_MARKER survive a rerun.
+    old = md.read_text() if md.is_file() else ""
+    notes = old[old.index(NOTES_MARKER):] if NOTES_MARKER in old else f"{NOTES_MARKER}\n"
+    md.write_text(
         f"# Chaos run\n\n`{command}` ({time.strftime('%Y-%m-%d')}, tree {commit or 'unknown'}): "
         f"{args.workload} at {args.qps:g} conv/s, "
         f"{args.duration:g} s per fault, fault at {args.fault_at:g} s, a fresh supervised graph per "
         f"fault. Windows: {args.window:g} s before/after for p99 TTFT and the decode-local share; "
         f"recovery = first {args.recovery_window:g} s window of follow-ups back within "
         f"{100 * args.tolerance:g} points of the pre-fault share (dynamo_ppd/chaos/report.py).\n\n"
-        f"{table}\n")
+        f"{table}\n\n{notes}")
     if args.records:
         path = args.out.with_name(args.out.name + "-records.json")
         path.write_bytes(msgspec.json.encode(records))
