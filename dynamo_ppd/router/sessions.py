@@ -159,8 +159,10 @@ class SessionTable:
         if record.history_digest is None or len(tokens) < record.context_tokens:
             return False
         full, tail = divmod(record.context_tokens, self.block_size)
+        if full > len(chain):
+            return False
         anchor = chain[full - 1] if full else None
-        if full > len(chain) or anchor != record.history_hash:
+        if anchor != record.history_hash:
             return False
         start = full * self.block_size
         return tail_digest(anchor, tokens[start:start + tail]) == record.history_digest
