@@ -170,10 +170,17 @@ def test_kv_sync_rebuilds_at_start_on_orphans_and_forgets_gone_workers(monkeypat
         assert metrics.residency_orphans._value.get() == 1
         assert metrics.residency_resyncs.labels("orphan")._value.get() == 1
         assert metrics.residency_resyncs.labels("start")._value.get() == 2
-        # Worker 7 leaves discovery: forgotten at the next poll.
-        decode.ids = [8]
+        # Worker 7 leaves discovery: forgotten at the next poll; worker 9 appears: rebuilt.
+        decode.ids = [8, 9]
         sync.poll(1.0)
         assert residency.held_blocks(7, CHAIN) == 0 and not residency.has_events(7)
+        await asyncio.sleep(0.05)
+        assert residency.held_blocks(9, CHAIN) == 6
+        assert metrics.residency_resyncs.labels("discovered")._value.get() == 1
+        # NATS reconnected: every known worker is rebuilt (what was published meanwhile is lost).
+        sync.reconnected()
+        await asyncio.sleep(0.05)
+        assert metrics.residency_resyncs.labels("nats_reconnect")._value.get() == 2
         await sync.stop()
 
     asyncio.run(scenario())

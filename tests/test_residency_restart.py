@@ -87,3 +87,25 @@ def test_follow_ups_stay_decode_local_across_a_router_restart(model_dir, tmp_pat
         assert resyncs >= 4  # one per worker at start (1 prefill, 3 decode), more on orphans
     finally:
         dep.stop()
+
+
+def test_a_decode_worker_without_kv_events_is_reported_once(model_dir, tmp_path):
+    """A TensorRT-LLM decode worker started without --publish-kv-events: every follow-up goes through
+    prefill; the router says so, once, in its log and in a metric."""
+    dep = deploy(tmp_path, model_dir, decode=1, decode_args=("--no-publish-kv-events",),
+                 router_args=("--kv-silent-after", "1"))
+    try:
+        history: list[dict] = []
+        for turn in range(3):
+            user = f"Question {turn}: which ships came in today?"
+            answer = chat(dep, messages(user, history), "silent")
+            history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer["text"]}]
+            time.sleep(1.0)
+        assert decisions(dep, "decode_local", "follow_up") == 0  # nothing proves the history is there
+        assert metrics(dep)["ppd_kv_silent_workers"] == 1
+        [router] = [p for p in dep.workers if p.label.startswith("router")]
+        warnings = [line for line in router.log_path.read_text().splitlines()
+                    if "without publishing one KV event" in line]
+        assert len(warnings) == 1, warnings
+    finally:
+        dep.stop()

@@ -39,6 +39,7 @@ class RouterConfig:
     nats_url: str
     metrics_port: int
     metrics_host: str
+    kv_silent_after_s: float = 30.0
 
 
 def _weights(text: str) -> tuple[float, float]:
@@ -120,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics on METRICS_HOST:PORT (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics server binds (0.0.0.0 in a pod, for Prometheus to scrape)")
+    p.add_argument("--kv-silent-after", type=float, default=30.0,
+                   help="seconds a decode worker may serve turns without one KV event before the "
+                   "router warns (once) that its follow-ups can never run decode-local "
+                   "(ppd_kv_silent_workers)")
     return p
 
 
@@ -144,4 +149,5 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         default_max_tokens=a.default_max_tokens, session_ttl_s=a.session_ttl,
         session_prefix=a.session_prefix, max_sessions=a.max_sessions,
         min_resident_fraction=a.min_resident_fraction,
-        etcd_url=a.etcd_url, nats_url=a.nats_url, metrics_port=a.metrics_port, metrics_host=a.metrics_host)
+        etcd_url=a.etcd_url, nats_url=a.nats_url, metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+        kv_silent_after_s=a.kv_silent_after)

@@ -112,7 +112,8 @@ class PpdRouter:
 
         # Residency: live KV events, and rebuilds from the workers themselves (kv_sync).
         kv_sync = self.kv_sync = KvSync(self.runtime, self.residency, self.metrics, ns, components,
-                                        self.clients, busy=self._serving)
+                                        self.clients, busy=self._serving,
+                                        silent_after_s=cfg.kv_silent_after_s)
 
         async def nats_down() -> None:
             self.metrics.nats_up.set(0)
