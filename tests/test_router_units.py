@@ -7,7 +7,6 @@ import random
 import pytest
 
 from dynamo_ppd.engine import load_profile
-from dynamo_ppd.engine.kv_cache import chained_block_hashes
 from dynamo_ppd.policy.decision import (
     Decision,
     Mode,
@@ -21,7 +20,7 @@ from dynamo_ppd.policy.decision import (
     score,
 )
 from dynamo_ppd.router.residency import Residency, prefix_chain
-from dynamo_ppd.router.sessions import SessionRecord, SessionTable, decode, encode
+from dynamo_ppd.router.sessions import SessionRecord, decode, encode
 
 IDLE = WorkerLoad()
 
