@@ -41,7 +41,7 @@ def kv_events_subject(namespace: str, component: str, endpoint: str = "generate"
 
 def prefix_chain(local_hashes: list[int]) -> list[int]:
     """Prefix ids of a sequence's full blocks (int-tuple hashing: fast, and the same in every
-    process; these ids never leave the router)."""
+    process; session records in etcd store them too, so they must stay so: no str/bytes hashing)."""
     out = []
     prefix = _ROOT
     for h in local_hashes:
