@@ -184,3 +184,25 @@ def test_kv_sync_rebuilds_at_start_on_orphans_and_forgets_gone_workers(monkeypat
         await sync.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_rebuild_asked_for_while_one_runs_is_not_lost(monkeypatch):
+    monkeypatch.setattr(kv_sync, "FIRST_DELAY_S", {})
+    monkeypatch.setattr(kv_sync, "DEFAULT_FIRST_DELAY_S", 0.01)
+    monkeypatch.setattr(kv_sync, "CONFIRM_DELAY_S", 0.0)
+    monkeypatch.setattr(kv_sync, "DUMP_REUSE_S", 0.0)
+
+    async def scenario():
+        residency, metrics = Residency(32), RouterMetrics()
+        sync = KvSync(None, residency, metrics, "workers", {"decode": "backend"},
+                      {"decode": FakeClient([7])}, busy=lambda w: False)
+        source = FakeSource([{"worker_id": 7, "event": stored(0, 0, 2)}])
+        sync._sources = {"backend": source}
+        sync.request(7, "gap")
+        sync.request(7, "orphan")  # arrives while the first rebuild runs
+        await asyncio.sleep(0.1)
+        assert metrics.residency_resyncs.labels("gap")._value.get() == 1
+        assert metrics.residency_resyncs.labels("orphan")._value.get() == 1
+        await sync.stop()
+
+    asyncio.run(scenario())

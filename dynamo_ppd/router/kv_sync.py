@@ -99,6 +99,7 @@ class KvSync:
         self._known: dict[str, set[int]] = {role: set() for role in components}
         self._component_of: dict[int, str] = {}
         self._pending: dict[int, asyncio.Task] = {}
+        self._again: dict[int, str] = {}  # worker -> a rebuild asked for while one was running
         self._unknown: set[int] = set()
         self._counted = (0, 0)  # residency.orphans, residency.gaps already in the metrics
         self._tasks: list[asyncio.Task] = []
@@ -156,8 +157,12 @@ class KvSync:
 
     # -- rebuilds --------------------------------------------------------------------------------
     def request(self, worker: int, reason: str) -> None:
-        """Rebuild ``worker``'s view soon (one rebuild in flight per worker; later asks join it)."""
-        if worker in self._pending or not self._sources:
+        """Rebuild ``worker``'s view soon (one rebuild in flight per worker; an ask while one runs
+        starts another when it ends, so no trigger is lost)."""
+        if not self._sources:
+            return
+        if worker in self._pending:
+            self._again.setdefault(worker, reason)
             return
         task = asyncio.get_running_loop().create_task(self._rebuild(worker, reason))
         self._pending[worker] = task
@@ -166,6 +171,9 @@ class KvSync:
     def _forget_task(self, worker: int, task: asyncio.Task) -> None:
         if self._pending.get(worker) is task:
             del self._pending[worker]
+            again = self._again.pop(worker, None)
+            if again is not None and not task.cancelled():
+                self.request(worker, again)
 
     async def _rebuild(self, worker: int, reason: str) -> None:
         delays = [FIRST_DELAY_S.get(reason, DEFAULT_FIRST_DELAY_S), CONFIRM_DELAY_S, *RETRY_DELAYS_S]
@@ -218,7 +226,9 @@ class KvSync:
         now = time.monotonic()
         if cached and now - cached[0] < DUMP_REUSE_S:
             return cached[1]
-        events = json.loads(await self._sources[component].dump_events())
+        text = await self._sources[component].dump_events()
+        # A big tree is megabytes of JSON: parse it off the event loop that routes requests.
+        events = await asyncio.to_thread(json.loads, text) if len(text) > 1 << 20 else json.loads(text)
         self._dumps[component] = (time.monotonic(), events)
         return events
 
@@ -260,6 +270,7 @@ class KvSync:
 
     def _forget(self, worker: int) -> None:
         """The worker left discovery: forget its residency (a restarted engine has a new id)."""
+        self._again.pop(worker, None)
         task = self._pending.pop(worker, None)
         if task is not None:
             task.cancel()
