@@ -25,6 +25,9 @@ class RouterMetrics:
             registry=self.registry)
         self.rehomes = Counter("ppd_rehomes", "Turns moved to another decode worker (theirs was gone)",
                                registry=self.registry)
+        self.migrations = Counter(
+            "ppd_migrations", "Answers continued on another worker after theirs failed mid-answer",
+            registry=self.registry)
         self.session_moves = Counter(
             "ppd_session_moves", "Via-prefill turns moved off a hot decode worker to a cooler one",
             registry=self.registry)

@@ -10,6 +10,7 @@ turn through a P to another D; a gone P makes the turn decode-local when D holds
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -28,6 +29,7 @@ from ..policy.table import bundled_table, load_table
 from . import dispatch
 from .args import RouterConfig
 from .kv_sync import KvSync
+from .limits import RequestLimits, WorkerCards
 from .metrics import RouterMetrics, debug_line
 from .rate_share import RatePublisher, SharedRate
 from .residency import Residency, kv_events_subject, prefix_chain
@@ -43,8 +45,40 @@ from .sessions import (
 
 log = logging.getLogger("dynamo_ppd.router")
 
-MAX_ATTEMPTS = 3  # first try plus re-homes when a worker fails before its first token
+MAX_ATTEMPTS = 3  # workers tried per request: the first, then re-homes and migrations
 FORCED_ROUTE = "x-ppd-route:"  # annotation prefix obeyed only with --allow-forced-route
+
+
+def _cancelled(context) -> bool:
+    """The client went away (Dynamo stops or kills the request's context)."""
+    return context is not None and (context.is_stopped() or context.is_killed())
+
+
+def _continuation(request: dict, sent: list[int]) -> dict:
+    """The request that continues an answer cut off after ``sent`` tokens: those tokens join the
+    prompt and count against ``max_tokens`` (as Dynamo's own request migration does)."""
+    follow = dict(request)
+    follow["token_ids"] = [*request["token_ids"], *sent]
+    stop = dict(request.get("stop_conditions") or {})
+    if stop.get("max_tokens"):
+        stop["max_tokens"] = max(1, stop["max_tokens"] - len(sent))
+    if stop.get("min_tokens"):
+        stop["min_tokens"] = max(0, stop["min_tokens"] - len(sent))
+    follow["stop_conditions"] = stop
+    follow.pop("prefill_result", None)
+    return follow
+
+
+def _as_part_of_the_original(chunk: dict, already_sent: int) -> None:
+    """A continuation's usage as the client's request sees it: its prompt was the original one,
+    and the tokens sent before the failure are part of the completion."""
+    usage = chunk.get("completion_usage")
+    if usage:
+        usage["prompt_tokens"] = usage.get("prompt_tokens", 0) - already_sent
+        usage["completion_tokens"] = usage.get("completion_tokens", 0) + already_sent
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and details.get("cached_tokens"):
+            details["cached_tokens"] = max(0, min(details["cached_tokens"], usage["prompt_tokens"]))
 
 
 class NoWorkers(Exception):
@@ -93,6 +127,8 @@ class PpdRouter:
         self.rate = SharedRate(SlidingWindowRate(window_s=10.0))
         self._rate_publisher = RatePublisher(self.rate, config.namespace, on_publish=metrics.set_rates)
         self.clients: dict[str, Any] = {}
+        self.limits = RequestLimits()  # context window set by the service, KV capacity by cards
+        self._cards: WorkerCards | None = None
         self._nats: Any = None
         self.kv_sync: KvSync | None = None
         self._table_config: str | None = None
@@ -155,7 +191,7 @@ class PpdRouter:
 
     # -- the handler -----------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict]:
-        from dynamo.llm.exceptions import HttpError, InvalidArgument
+        from dynamo.llm.exceptions import InvalidArgument, WorkerUnavailable
 
         tokens = request.get("token_ids")
         if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
@@ -170,23 +206,34 @@ class PpdRouter:
         if forced not in (None, Route.DECODE_LOCAL.value, Route.VIA_PREFILL.value):
             raise InvalidArgument(f"{FORCED_ROUTE}{forced}: the route must be decode_local or via_prefill")
         forced = forced if self.config.allow_forced_route else None
+        too_big = self.limits.check(len(tokens), (request.get("stop_conditions") or {}).get("max_tokens"))
+        if too_big:  # before any worker does any work (a 150k-word message ran 2.9 s, then a 500)
+            self.metrics.errors.labels("too_large").inc()
+            raise InvalidArgument(too_big)
         started = time.monotonic()
         self.rate.record(started)
-        try:
-            plan = await self._plan(request, tokens, forced)
-        except NoWorkers as exc:
-            self.metrics.errors.labels("no_workers").inc()
-            raise HttpError(503, str(exc)) from None
         output: list[int] = []
         first_at = last_at = None
-        async for chunk in self._run(plan, request, context):
-            new = chunk.get("token_ids") or []
-            if new:
-                last_at = time.monotonic()
-                first_at = first_at or last_at
-            output.extend(new)
-            yield chunk
-        if plan.turn > 1 and first_at is not None and last_at is not None:
+        try:
+            plan = await self._plan(request, tokens, forced)
+            async for chunk in self._run(plan, request, context):
+                new = chunk.get("token_ids") or []
+                if new:
+                    last_at = time.monotonic()
+                    first_at = first_at or last_at
+                output.extend(new)
+                yield chunk
+        except NoWorkers as exc:  # wherever it was found out: planning, re-homing, migrating
+            self.metrics.errors.labels("no_workers").inc()
+            # HTTP 503. Dynamo 1.6.1's frontend shows clients a generic text for every 5xx, so
+            # the reason is logged here too.
+            log.warning("HTTP 503: %s", exc)
+            raise WorkerUnavailable(str(exc)) from None
+        except dispatch.WorkerRejected as exc:  # the worker's validation: the client's 4xx
+            self.metrics.errors.labels("rejected").inc()
+            raise InvalidArgument(str(exc)) from None
+        if (plan.turn > 1 and first_at is not None and last_at is not None
+                and not plan.decision.reason.startswith("rehome")):  # a failure's timing says nothing
             tpot = (last_at - first_at) / (len(output) - 1) if len(output) > 1 else None
             self.policy.observe(plan.decision, first_at - started, tpot)  # online calibration
         await self._record_turn(plan, tokens, output)
@@ -228,9 +275,8 @@ class PpdRouter:
         if forced and session_decode is not None and turn > 1:
             decision = Decision(Route(forced), "forced")
         if decision.route is Route.VIA_PREFILL and plan.prefill is None:
-            if session_decode is None or cached_d == 0:
-                raise NoWorkers("no prefill worker is available and no decode worker holds this "
-                                "conversation; start a prefill worker")
+            # No prefill worker (all gone, or restarting): a decode worker prefills the whole
+            # prompt itself (the bypass contract), slower than PD but an answer, not a 503.
             decision = Decision(Route.DECODE_LOCAL, "no_prefill_worker")
         if decision.reason == "history_evicted":
             self.metrics.residency_misses.inc()
@@ -346,31 +392,47 @@ class PpdRouter:
 
     # -- running a plan --------------------------------------------------------------------------
     async def _run(self, plan: _Plan, request: dict, context) -> AsyncIterator[dict]:
+        """Stream the answer; when a worker fails, re-home the turn, and when it fails mid-answer,
+        continue the answer elsewhere (the prompt plus the tokens already sent), so the client
+        sees one uninterrupted stream. Bounded: `MAX_ATTEMPTS` workers per request."""
         failed: set[int] = set()
+        sent: list[int] = []  # tokens already relayed to the client
+        before_continuation = 0  # of which sent before the current attempt began
+        attempt_request = request
         for attempt in range(MAX_ATTEMPTS):
             worker = plan.decode
             self.loads.inflight[worker] += 1
             self.loads.context_tokens[worker] += plan.prompt_tokens
-            if plan.decision.route is Route.VIA_PREFILL and plan.prefill is not None:
-                self.loads.prefill_tokens[plan.prefill] += plan.prompt_tokens
             try:
-                async for chunk in self._stream(plan, request, context):
+                async for chunk in self._stream(plan, attempt_request, context):
+                    if before_continuation:
+                        _as_part_of_the_original(chunk, before_continuation)
+                    sent.extend(chunk.get("token_ids") or [])
                     yield chunk
                 return
             except dispatch.WorkerFailed as exc:
+                if _cancelled(context):
+                    return  # the client went away: not the worker's failure, nothing to retry
                 failed.add(exc.worker)
-                log.warning("worker %x failed before answering (%s); re-homing the turn", exc.worker, exc)
-                self._rehome(plan, failed)
                 if attempt == MAX_ATTEMPTS - 1:
                     self.metrics.errors.labels("workers_failed").inc()
-                    from dynamo.llm.exceptions import HttpError
+                    from dynamo.llm.exceptions import WorkerUnavailable
 
-                    raise HttpError(503, f"workers failed: {exc}") from None
+                    raise WorkerUnavailable(f"{MAX_ATTEMPTS} workers failed for this request, the "
+                                            f"last: {exc}") from None
+                if sent:
+                    log.warning("worker %x failed after %d tokens (%s); continuing the answer on "
+                                "another worker", exc.worker, len(sent), exc)
+                    attempt_request = _continuation(request, sent)
+                    before_continuation = len(sent)
+                    self.metrics.migrations.inc()
+                else:
+                    log.warning("worker %x failed before answering (%s); re-homing the turn",
+                                exc.worker, exc)
+                self._rehome(plan, failed, attempt_request["token_ids"])
             finally:
                 self.loads.inflight[worker] -= 1
                 self.loads.context_tokens[worker] -= plan.prompt_tokens
-                if plan.prefill is not None and self.loads.prefill_tokens[plan.prefill] >= plan.prompt_tokens:
-                    self.loads.prefill_tokens[plan.prefill] -= plan.prompt_tokens
 
     def _stream(self, plan: _Plan, request: dict, context) -> AsyncIterator[dict]:
         route = plan.decision.route
@@ -379,8 +441,17 @@ class PpdRouter:
         if route is Route.DECODE_LOCAL:
             return dispatch.decode_local(self.clients["decode"], request, plan.decode, context)
         assert plan.prefill is not None
+        # The prefill worker carries this prompt from now until its prefill leg ends, whatever
+        # happens after (the policy and the choice of prefill worker read this queue).
+        prefill, charge = plan.prefill, len(request["token_ids"])
+        self.loads.prefill_tokens[prefill] += charge
+
+        def release() -> None:
+            self.loads.prefill_tokens[prefill] = max(0, self.loads.prefill_tokens[prefill] - charge)
+
         return dispatch.prefill_then_decode(self.clients["prefill"], self.clients["decode"], request,
-                                            plan.prefill, lambda: self._settle_decode(plan), context)
+                                            prefill, lambda: self._settle_decode(plan), context,
+                                            prefill_done=release)
 
     async def _settle_decode(self, plan: _Plan) -> int:
         """The decode worker, once a new session's claim is settled (the first claimant wins)."""
@@ -390,23 +461,35 @@ class PpdRouter:
                 plan.decode = claimed.decode_worker
         return plan.decode
 
-    def _rehome(self, plan: _Plan, failed: set[int]) -> None:
-        """After a worker failed: route the turn via a live prefill worker to a live decode one."""
+    def _rehome(self, plan: _Plan, failed: set[int], tokens: list[int]) -> None:
+        """After a worker failed: a live decode worker (the same one if only the prefill worker
+        failed), and the policy's route to it for ``tokens``; decode-local when no prefill worker
+        is left (the decode worker recomputes what it does not hold)."""
         self.metrics.rehomes.inc()
-        decode_ids = [w for w in self.clients["decode"].instance_ids() if w not in failed]
-        prefill_ids = [w for w in self.clients["prefill"].instance_ids() if w not in failed]
         if plan.decision.route is Route.REPLICA:
             replicas = [w for w in self.clients["replica"].instance_ids() if w not in failed]
             if not replicas:
-                raise NoWorkers("no aggregated worker left")
-            plan.decode = replicas[0]
+                raise NoWorkers("no aggregated worker is left to serve this request; start one")
+            plan.decode = min(replicas, key=lambda w: (self.loads.inflight[w], w))
             return
-        if plan.decode in failed or plan.decision.route is Route.DECODE_LOCAL:
-            plan.decode = self._pick_decode(decode_ids)
+        decode_ids = [w for w in self.clients["decode"].instance_ids() if w not in failed]
+        prefill_ids = [w for w in self.clients["prefill"].instance_ids() if w not in failed]
+        if plan.decode in failed or plan.decode not in decode_ids:
+            plan.decode = self._pick_decode(decode_ids)  # NoWorkers: none left (503)
+        bs = self.config.block_size
+        chain = prefix_chain(self._hash(tokens, bs))
+        cached_d = self.residency.held_blocks(plan.decode, chain) * bs
+        plan.prompt_tokens = len(tokens)
         if not prefill_ids:
-            raise NoWorkers("no prefill worker left to re-home the turn")
-        plan.prefill = min(prefill_ids, key=lambda w: (self.loads.prefill_tokens[w], w))
-        plan.decision = Decision(Route.VIA_PREFILL, "rehome")
+            plan.prefill = None
+            plan.decision = Decision(Route.DECODE_LOCAL, "rehome_no_prefill_worker")
+            return
+        plan.prefill, cached_p = self._pick_prefill(prefill_ids, chain, len(tokens))
+        features = self._features(plan, {"stop_conditions": {}}, plan.decode, cached_d, plan.prefill,
+                                  cached_p)
+        features = dataclasses.replace(features, turn=max(2, plan.turn), has_session_decode=True)
+        decision = self.policy.decide(features, history_tokens=len(tokens))
+        plan.decision = Decision(decision.route, f"rehome_{decision.reason}", decision.score)
 
     async def _find_session(self, header_id: str | None, tokens: list[int], chain: list[int]
                             ) -> tuple[SessionRecord | None, str, int]:
