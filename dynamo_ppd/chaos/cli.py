@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fault-at", type=float, default=45.0, help="seconds from the start to the fault")
     parser.add_argument("--target", help="process label to hit (e.g. decode-1, router-1); default: "
                         "the busiest decode/prefill worker, the first router replica")
+    parser.add_argument("--aim", type=float, default=10.0,
+                        help="worker kills: wait up to this many seconds after --fault-at for a worker "
+                        "with a request in flight, so the kill cuts an answer (or a prefill)")
     parser.add_argument("--window", type=float, default=25.0,
                         help="seconds before/after the fault compared for p99 TTFT and the pre-fault "
                         "decode-local share")
@@ -91,7 +94,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     settings = RunSettings(graph=args.graph, rate=args.qps, duration_s=args.duration,
                            fault_at_s=args.fault_at, workload=args.workload, seed=args.seed,
-                           replicas=args.replicas, target=args.target, window_s=args.window,
+                           replicas=args.replicas, target=args.target, aim_s=args.aim,
+                           window_s=args.window,
                            recovery_window_s=args.recovery_window, tolerance=args.tolerance,
                            run_root=args.run_root)
     results, records = [], {}

@@ -52,6 +52,7 @@ class RunSettings:
     seed: int = 0
     replicas: dict[str, int] = field(default_factory=dict)
     target: str | None = None  # a process label; default: chosen per fault
+    aim_s: float = 10.0  # worker kills: wait this long at most for a request in flight
     window_s: float = 25.0
     recovery_window_s: float = 10.0
     tolerance: float = 0.05
@@ -109,8 +110,12 @@ def router_counters(dep: Deployment) -> dict[str, dict[str, float]]:
     return out
 
 
-def choose_target(dep: Deployment, kind: str, named: str | None) -> tuple[str, float | None]:
-    """The process to hit and the requests it has in flight (None where not a worker)."""
+def choose_target(dep: Deployment, kind: str, named: str | None,
+                  aim_s: float = 0.0) -> tuple[str, float | None]:
+    """The process to hit and the requests it has in flight (None where not a worker). For a
+    worker kill, wait up to ``aim_s`` for one to have a request in flight: a prefill takes tens of
+    milliseconds, so a prefill worker picked at a random instant is almost always idle and its kill
+    would test nothing."""
     if named:
         label = dep.process(named).label
         seen = inflight(dep, label) if dep.process(label).env.get("DYN_SYSTEM_PORT") else -1.0
@@ -120,7 +125,12 @@ def choose_target(dep: Deployment, kind: str, named: str | None) -> tuple[str, f
         if not labels:
             raise ValueError(f"the graph has no {kind.split('-')[0]} worker to kill")
         # The busiest one: the most answers to break, the most sessions to move.
-        load = {label: inflight(dep, label) for label in labels}
+        deadline = time.monotonic() + aim_s
+        while True:
+            load = {label: inflight(dep, label) for label in labels}
+            if max(load.values()) >= 1 or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
         _say(f"  requests in flight: {', '.join(f'{k} {v:g}' for k, v in load.items())}")
         busiest = max(labels, key=lambda label: load[label])
         return busiest, load[busiest]
@@ -177,7 +187,7 @@ async def _play_with_fault(dep: Deployment, manifest: Manifest, settings: RunSet
 
     async def fault_task() -> None:
         await asyncio.sleep(max(0.0, t0 + settings.fault_at_s - time.monotonic()))
-        target, load = await asyncio.to_thread(choose_target, dep, kind, settings.target)
+        target, load = await asyncio.to_thread(choose_target, dep, kind, settings.target, settings.aim_s)
         snapshots.append(await asyncio.to_thread(router_counters, dep))
         at = time.monotonic() - t0
         _say(f"  {kind}: {target} at {at:.1f} s")
