@@ -170,9 +170,15 @@ def test_follow_ups_run_decode_local_on_the_conversation_decode_worker(ppd):
 
 
 def test_sessions_stick_without_a_header_by_prefix(ppd):
-    before = decisions(ppd, "decode_local", "follow_up")
-    conversation(ppd, 3, session=None, first="A different story, about mountains and rivers. " * 15)
-    assert decisions(ppd, "decode_local", "follow_up") == before + 2
+    # Found as follow-ups of their session (the route is the ppd policy's, which depends on load).
+    before = sum(decisions(ppd, route, "follow_up") for route in ("decode_local", "via_prefill"))
+    first = "A different story, about mountains and rivers. " * 15
+    results = conversation(ppd, 3, session=None, first=first)
+    assert sum(decisions(ppd, route, "follow_up") for route in ("decode_local", "via_prefill")) == before + 2
+    [record] = [r for r in sessions_in(ppd.endpoints.etcd_url).values()
+                if r.session_id.startswith("auto-") and r.context_tokens == sum(
+                    results[-1]["usage"][k] for k in ("prompt_tokens", "completion_tokens"))]
+    assert record.turn == 3
 
 
 def test_bad_requests_get_4xx_with_a_message_and_nothing_breaks(ppd):
