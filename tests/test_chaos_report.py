@@ -32,7 +32,8 @@ def test_p99_is_nearest_rank():
 
 
 def test_failures_truncations_added_ttft_and_recovery():
-    records = [turn(t, ttft=0.1) for t in range(0, 20)]  # before: all decode-local, p99 0.1 s
+    # Before: a warm-up of via-prefill follow-ups, then 10 s all decode-local; p99 TTFT 0.1 s.
+    records = [turn(t, ttft=0.1, local=t >= 10) for t in range(0, 20)]
     records.append(turn(20.2, status="failed", ttft=0.0, local=None))
     records.append(turn(20.4, status="truncated"))
     # After the fault at 20 s: 6 s of via-prefill follow-ups with slow first tokens, then back.
@@ -41,7 +42,8 @@ def test_failures_truncations_added_ttft_and_recovery():
     fault = Fault("decode-kill", "decode-1", 20.0, "1P3D", 2.5, target_inflight=3)
     result = analyze(records, fault, window_s=20, recovery_window_s=5, tolerance=0.05, step_s=0.5)
     assert (result.failed, result.truncated, result.requests) == (1, 1, len(records))
-    assert result.decode_local_before == 1.0 and result.follow_ups_before == 20
+    # The baseline is the recovery window just before the fault: the warm-up does not lower it.
+    assert result.decode_local_before == 1.0 and result.follow_ups_before == 5
     assert result.ttft_p99_before_s == pytest.approx(0.1)
     assert result.ttft_p99_after_s == pytest.approx(0.9)
     assert result.added_ttft_p99_s == pytest.approx(0.8)

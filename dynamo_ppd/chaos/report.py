@@ -11,7 +11,9 @@ Per fault:
   the turns sent in the ``window_s`` before it;
 - **recovery**: seconds from the fault to the start of the first ``recovery_window_s`` window of
   follow-ups (stepping ``step_s``) whose decode-local share is back within ``tolerance`` of the
-  share in the ``window_s`` before the fault. A follow-up ran decode-local when its decode worker
+  share in the ``recovery_window_s`` just before the fault (a window as wide as those it is
+  compared with, and late enough that the run's warm-up, when the share is still climbing, does
+  not lower the bar). A follow-up ran decode-local when its decode worker
   reused more cached tokens than the previous turn's whole prompt: a via-prefill turn reports the
   prefill worker's prefix-cache hit, which can cover at most the previous prompt (the prefill
   worker never held the previous answer), while the conversation's own decode worker holds the
@@ -70,7 +72,7 @@ class FaultResult(msgspec.Struct, frozen=True):
     ttft_p99_before_s: float | None
     ttft_p99_after_s: float | None
     added_ttft_p99_s: float | None
-    decode_local_before: float | None  # share of follow-ups
+    decode_local_before: float | None  # share of follow-ups in the recovery window before the fault
     decode_local_after: float | None  # share of follow-ups sent after the recovery point
     follow_ups_before: int
     follow_ups_after: int
@@ -124,7 +126,8 @@ def analyze(records: list[TurnRecord], fault: Fault, *, window_s: float = 20.0,
     after = [r for r in records if fault.at_s <= r.sent_s < fault.at_s + window_s]
     ttft_before = p99([r.ttft_s for r in before if r.ttft_s is not None])
     ttft_after = p99([r.ttft_s for r in after if r.ttft_s is not None])
-    share_before, n_before = _share(before)
+    share_before, n_before = _share([r for r in records
+                                     if fault.at_s - recovery_window_s <= r.sent_s < fault.at_s])
 
     recovery_s = None
     if share_before is not None:
