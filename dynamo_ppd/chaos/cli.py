@@ -151,6 +151,7 @@ def main(args: argparse.Namespace) -> int:
                            window_s=args.window,
                            recovery_window_s=args.recovery_window, tolerance=args.tolerance,
                            run_root=args.run_root)
+    commit = _commit()  # at the start: each fault's graph runs the tree as it is when it starts
     results, records = [], {}
     for kind in args.faults:
         result, turns = run_fault(kind, settings, manifest)
@@ -158,6 +159,6 @@ def main(args: argparse.Namespace) -> int:
         records[kind] = turns
     command = " ".join(["dynamo-ppd", "chaos", *(sys.argv[2:] if sys.argv[1:2] == ["chaos"] else [])])
     report = ChaosReport(REPORT_VERSION, command, args.workload, args.qps, args.duration, args.window,
-                         args.recovery_window, args.tolerance, results, _commit())
+                         args.recovery_window, args.tolerance, results, commit)
     _write(report, args.out, records if args.records else None)
     return 0 if all(passed(r) for r in results) else 1
