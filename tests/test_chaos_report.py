@@ -96,3 +96,28 @@ def test_router_counter_deltas_sum_replicas_and_survive_a_restart():
     after = {"router-0@10": {"ppd_migrations_total": 3.0, "ppd_rehomes_total": 5.0},
              "router-1@12": {"ppd_migrations_total": 4.0}}  # router-1 restarted (new pid): from 0
     assert counter_delta(before, after) == {"ppd_migrations_total": 5.0}
+
+
+def test_reanalyze_recomputes_a_report_from_its_records(tmp_path):
+    import msgspec
+
+    from dynamo_ppd.chaos.report import REPORT_VERSION, ChaosReport
+    from dynamo_ppd.cli import main
+
+    records = [turn(t, local=t >= 10) for t in range(20)] + [turn(20 + k, local=True) for k in range(30)]
+    fault = Fault("etcd-restart", "etcd", 20.0, "1P3D", 1.0)
+    old = msgspec.structs.replace(analyze(records, fault, recovery_window_s=20),
+                                  router_counters={"ppd_rehomes_total": 3.0})
+    assert old.decode_local_before == 0.5  # a 20-s baseline reaches into the warm-up
+    out = tmp_path / "chaos"
+    report = ChaosReport(REPORT_VERSION, "dynamo-ppd chaos", "wildchat", 2.0, 90.0, 20.0, 20.0, 0.05, [old])
+    out.with_suffix(".json").write_bytes(msgspec.json.encode(report))
+    (tmp_path / "chaos-records.json").write_bytes(msgspec.json.encode({"etcd-restart": records}))
+    out.with_suffix(".md").write_text("old\n<!-- notes: kept when the report is rewritten -->\nmy notes\n")
+    assert main(["chaos", "--reanalyze", "--out", str(out), "--recovery-window", "10"]) == 0
+    new = msgspec.json.decode(out.with_suffix(".json").read_bytes(), type=ChaosReport)
+    (result,) = new.results
+    assert result.decode_local_before == 1.0 and new.recovery_window_s == 10.0
+    assert result.router_counters == {"ppd_rehomes_total": 3.0}  # measured, not recomputable: kept
+    text = out.with_suffix(".md").read_text()
+    assert "| etcd-restart | 1P3D | etcd |" in text and text.endswith("my notes\n")
