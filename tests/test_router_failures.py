@@ -211,3 +211,29 @@ def test_model_cards_give_capacity_and_window():
     assert parse_card(card) == (7, 3200, 131072)
     assert parse_card(b'{"instance_id": 7, "card_json": {"runtime_config": {}}}') == (7, None, None)
     assert parse_card(b"not json") is None
+
+
+def test_a_worker_that_failed_is_skipped_while_discovery_still_lists_it():
+    from dynamo.llm.exceptions import WorkerUnavailable
+
+    class Counting(FakeClient):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.tried: list[int] = []
+
+        async def direct(self, request, worker, annotated=False, context=None):
+            self.tried.append(worker)
+            return await super().direct(request, worker, annotated, context)
+
+    async def run():
+        router = make_router(mode="pd")
+        router.clients["decode"] = Counting([D1, D2], "decode", dead={D1})  # killed, still listed
+        for session in ("a", "b", "c"):
+            assert len(await turn(router, list(range(2000, 2300)), session=session)) == 4
+        assert router.clients["decode"].tried == [D1, D2, D2, D2]  # one failed connect, not three
+        router.clients["decode"].ids = [D1]  # only the failed one is left: tried again, then a 503
+        with pytest.raises(WorkerUnavailable, match="no decode worker"):
+            await turn(router, list(range(2000, 2300)), session="d")
+        assert router.clients["decode"].tried[4:] == [D1]
+
+    asyncio.run(run())

@@ -46,6 +46,7 @@ from .sessions import (
 log = logging.getLogger("dynamo_ppd.router")
 
 MAX_ATTEMPTS = 3  # workers tried per request: the first, then re-homes and migrations
+UNREACHABLE_S = 30.0  # a worker that failed is skipped this long (Dynamo's discovery lease TTL)
 FORCED_ROUTE = "x-ppd-route:"  # annotation prefix obeyed only with --allow-forced-route
 
 
@@ -127,6 +128,7 @@ class PpdRouter:
         self.rate = SharedRate(SlidingWindowRate(window_s=10.0))
         self._rate_publisher = RatePublisher(self.rate, config.namespace, on_publish=metrics.set_rates)
         self.clients: dict[str, Any] = {}
+        self._unreachable: dict[int, float] = {}  # worker -> when a request to it last failed
         self.limits = RequestLimits()  # context window set by the service, KV capacity by cards
         self._cards: WorkerCards | None = None
         self._nats: Any = None
@@ -257,7 +259,7 @@ class PpdRouter:
         if await self._hybrid(plan, record, session_id):
             return self._decided(plan, started)
 
-        decode_ids = self.clients["decode"].instance_ids()
+        decode_ids = self._instances("decode")
         if not decode_ids:
             raise NoWorkers("no decode worker is available; start one (or wait for it to register)")
         session_decode = record.decode_worker if record and record.decode_worker in decode_ids else None
@@ -265,7 +267,7 @@ class PpdRouter:
             session_decode = self._residency_home(decode_ids, residency_chain)
         rehome = record is not None and record.decode_worker is not None and session_decode is None
         cached_d = self.residency.held_blocks(session_decode, residency_chain) * cfg.block_size
-        prefill_ids = self.clients["prefill"].instance_ids()
+        prefill_ids = self._instances("prefill")
         plan.prefill, cached_p = self._pick_prefill(prefill_ids, residency_chain, len(tokens))
         self._select_table(len(prefill_ids), len(decode_ids))
         best = self._pick_decode(decode_ids)
@@ -366,7 +368,7 @@ class PpdRouter:
         """Hybrid (aggregated "replica" workers beside P/D, ``--replica-component``): a conversation
         placed on a replica stays there (prefill and decode with prefix reuse, no transfers); a new
         one goes to the least loaded of the replicas and the decode workers. True: the plan is set."""
-        replica_ids = self.clients["replica"].instance_ids() if "replica" in self.clients else []
+        replica_ids = self._instances("replica")
         if not replica_ids:
             return False
         if record is not None and record.decode_worker is not None and record.decode_worker in replica_ids:
@@ -374,7 +376,7 @@ class PpdRouter:
             return True
         if record is not None:
             return False
-        candidates = replica_ids + self.clients["decode"].instance_ids()
+        candidates = replica_ids + self._instances("decode")
         chosen = min(candidates, key=lambda w: (self.loads.inflight[w], self.loads.context_tokens[w], w))
         if chosen not in replica_ids:
             return False
@@ -384,11 +386,29 @@ class PpdRouter:
         return True
 
     def _pick_replica(self, chain: list[int]) -> int:
-        ids = self.clients["replica"].instance_ids() if "replica" in self.clients else []
+        ids = self._instances("replica")
         if not ids:
             raise NoWorkers("no aggregated (replica) worker is available")
         cached = self.residency.held_by_worker(chain, ids)
         return max(ids, key=lambda w: (cached.get(w, 0), -self.loads.inflight[w], -w))
+
+    def _instances(self, role: str) -> list[int]:
+        """The live instances of a role, less those that just failed: a SIGKILLed worker stays in
+        Dynamo's discovery until its lease expires (30 s in 1.6.1), and every turn sent there
+        meanwhile would fail its connect first (cheap on loopback, seconds to a dead pod's IP). If
+        every listed instance failed lately, all are tried again rather than none."""
+        client = self.clients.get(role)
+        if client is None:
+            return []
+        ids = client.instance_ids()
+        if not self._unreachable:
+            return ids
+        now = time.monotonic()
+        for worker, since in list(self._unreachable.items()):
+            if now - since > UNREACHABLE_S:
+                del self._unreachable[worker]
+        reachable = [w for w in ids if w not in self._unreachable]
+        return reachable or ids
 
     # -- running a plan --------------------------------------------------------------------------
     async def _run(self, plan: _Plan, request: dict, context) -> AsyncIterator[dict]:
@@ -414,6 +434,7 @@ class PpdRouter:
                 if _cancelled(context):
                     return  # the client went away: not the worker's failure, nothing to retry
                 failed.add(exc.worker)
+                self._unreachable[exc.worker] = time.monotonic()
                 if attempt == MAX_ATTEMPTS - 1:
                     self.metrics.errors.labels("workers_failed").inc()
                     from dynamo.llm.exceptions import WorkerUnavailable
@@ -467,13 +488,13 @@ class PpdRouter:
         is left (the decode worker recomputes what it does not hold)."""
         self.metrics.rehomes.inc()
         if plan.decision.route is Route.REPLICA:
-            replicas = [w for w in self.clients["replica"].instance_ids() if w not in failed]
+            replicas = [w for w in self._instances("replica") if w not in failed]
             if not replicas:
                 raise NoWorkers("no aggregated worker is left to serve this request; start one")
             plan.decode = min(replicas, key=lambda w: (self.loads.inflight[w], w))
             return
-        decode_ids = [w for w in self.clients["decode"].instance_ids() if w not in failed]
-        prefill_ids = [w for w in self.clients["prefill"].instance_ids() if w not in failed]
+        decode_ids = [w for w in self._instances("decode") if w not in failed]
+        prefill_ids = [w for w in self._instances("prefill") if w not in failed]
         if plan.decode in failed or plan.decode not in decode_ids:
             plan.decode = self._pick_decode(decode_ids)  # NoWorkers: none left (503)
         bs = self.config.block_size
@@ -518,7 +539,7 @@ class PpdRouter:
                 return None, header_id, 1  # etcd has no such session: a new conversation
             # etcd is away, so another replica's record of it may exist unseen: when a decode
             # worker holds most of the prompt, this is a follow-up of the history it holds.
-            held = self.residency.held_by_worker(chain, self.clients["decode"].instance_ids())
+            held = self.residency.held_by_worker(chain, self._instances("decode"))
             share = max(held.values(), default=0) * self.config.block_size / len(tokens)
             return None, header_id, 2 if share >= self.config.min_resident_fraction else 1
         if self.sessions.table.continues(record, chain, tokens):
