@@ -104,3 +104,19 @@ def test_no_decode_worker_left_is_a_503_with_a_message(dep):
     # Dynamo 1.6.1's frontend answers every 5xx with a generic text: the reason is in the router's log.
     router = next(p for p in dep.workers if p.label.startswith("router"))
     assert "HTTP 503: no decode worker is available" in _log(router)
+
+
+def test_a_prompt_no_decode_worker_can_hold_is_a_400_before_any_work(model_dir, tmp_path):
+    # 80 blocks of 32 tokens: 2,560 tokens of KV per decode worker, from their model cards in etcd.
+    small = deploy(tmp_path, model_dir, mode="local", decode=1, decode_args=("--kv-capacity-blocks", "80"))
+    try:
+        chat(small, [{"role": "user", "content": "warm up"}], "warm-up")
+        before = requests_seen_by_workers(small)
+        response = httpx.post(f"{small.base_url}/v1/chat/completions", timeout=60, json={
+            "model": small.model_name, "max_tokens": 16,
+            "messages": [{"role": "user", "content": "Tell me about the harbour. " * 300}]})
+        assert response.status_code == 400, response.text
+        assert "more than any decode worker's KV cache holds (2560 tokens)" in response.text
+        assert requests_seen_by_workers(small) == before
+    finally:
+        small.stop()
