@@ -58,6 +58,9 @@ SAVE_WAIT_S = 0.5  # how long a turn's end waits for its etcd write before leavi
 _ROOT = 0
 
 
+
+STOP_WAIT_S = 2.0  # how long stop() waits for its tasks, and for the etcd client to close
+
 class SessionRecord(msgspec.Struct, forbid_unknown_fields=True):
     session_id: str
     decode_worker: int | None = None
@@ -280,17 +283,19 @@ class EtcdSessions:
         while etcd was away), so a rolling restart loses no turn."""
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        # Bounded: aetcd's watcher can sit on a watch it is still creating or cancelling, and a
+        # router that never stops blocks a rolling restart.
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=STOP_WAIT_S)
         try:
             await asyncio.wait_for(self.flush(), flush_timeout_s)
         except Exception as exc:  # noqa: BLE001 (etcd away at shutdown: nothing more to do)
             log.warning("could not flush %d session writes on shutdown: %s", len(self._dirty), exc)
         if self._client is not None:
-            await self._client.close()
+            try:
+                await asyncio.wait_for(self._client.close(), STOP_WAIT_S)
+            except Exception as exc:  # noqa: BLE001 (closing is best effort)
+                log.warning("etcd client did not close cleanly: %s", exc)
 
     async def flush(self) -> None:
         """Wait for the background writes, then write the dirty sessions."""
