@@ -82,6 +82,8 @@ def test_a_cancelled_client_is_not_a_worker_failure():
                    "annotations": [], "agent_context": {"session_id": "gone"}}
         chunks = [c async for c in router.generate(request, StoppedContext())]
         assert chunks == []
+        record = router.sessions.get("gone")
+        assert record is None or record.turn == 0  # no turn recorded for an answer nobody got
         assert len(router.clients["decode"].sent) == 1  # no retry on another worker
         assert router.metrics.rehomes._value.get() == 0
         assert not any(s.samples[0].value for s in router.metrics.errors.collect()

@@ -234,6 +234,8 @@ class PpdRouter:
         except dispatch.WorkerRejected as exc:  # the worker's validation: the client's 4xx
             self.metrics.errors.labels("rejected").inc()
             raise InvalidArgument(str(exc)) from None
+        if _cancelled(context):
+            return  # the client went away: its next turn will not carry this partial answer
         if (plan.turn > 1 and first_at is not None and last_at is not None
                 and not plan.decision.reason.startswith("rehome")):  # a failure's timing says nothing
             tpot = (last_at - first_at) / (len(output) - 1) if len(output) > 1 else None
