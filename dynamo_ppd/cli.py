@@ -20,6 +20,19 @@ def _port(text: str) -> int:
     return value
 
 
+def comma_choices(kind: str, choices, separator: str = ", "):
+    """An argparse type: a comma-separated list, each item one of ``choices`` (in order given)."""
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        unknown = [item for item in items if item not in choices]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"unknown {kind} {unknown[0] if unknown else text!r}; "
+                                             f"choose from {separator.join(choices)}")
+        return items
+
+    return parse
+
+
 def _replicas(text: str) -> dict[str, int]:
     out = {}
     for item in text.split(","):

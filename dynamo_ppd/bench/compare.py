@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..cli import comma_choices
 from ..launch import ServeOptions, start
 from ..launch.graph import load_graph
 from ..launch.process import free_port
@@ -141,15 +142,6 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
-def _systems(text: str) -> list[str]:
-    systems = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown or not systems:
-        raise argparse.ArgumentTypeError(f"unknown system {unknown[0] if unknown else text!r}; "
-                                         f"choose from {', '.join(SYSTEMS)}")
-    return systems
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{compare,run}")
     for name, helptext in (("compare", "bring up each system on the simulated cluster and run the "
@@ -166,7 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--seed", type=int, default=0, help="workload seed")
         p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
         if name == "compare":
-            p.add_argument("--systems", type=_systems, default=["pd", "cond-disagg", "ppd"],
+            p.add_argument("--systems", type=comma_choices("system", SYSTEMS),
+                           default=["pd", "cond-disagg", "ppd"],
                            help=f"comma-separated, from {','.join(SYSTEMS)}")
             p.add_argument("--config", default="1P3D", help="P:D split of the simulated cluster")
         else:

@@ -26,19 +26,11 @@ DESCRIPTION = (
     "exit 1 when any fault failed or truncated a request.")
 
 
-def _faults(text: str) -> list[str]:
-    faults = [f.strip() for f in text.split(",") if f.strip()]
-    unknown = [f for f in faults if f not in FAULTS]
-    if unknown or not faults:
-        raise argparse.ArgumentTypeError(f"unknown fault {unknown[0] if unknown else text!r}; "
-                                         f"choose from {','.join(FAULTS)}")
-    return faults
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..cli import _replicas
+    from ..cli import _replicas, comma_choices
 
-    parser.add_argument("--faults", type=_faults, default=list(FAULTS),
+    parser.add_argument("--faults", type=comma_choices("fault", FAULTS, separator=","),
+                        default=list(FAULTS),
                         help=f"comma-separated, from {','.join(FAULTS)}; one fresh graph each")
     parser.add_argument("--graph", default="ppd", help="graph name or YAML path (as for serve)")
     parser.add_argument("--replicas", type=_replicas, default={},
