@@ -42,7 +42,7 @@ def near(value: float, target: float, rel: float = 0.15) -> bool:
     return abs(value - target) <= rel * target
 
 
-@pytest.mark.parametrize("name", ["sharegpt", "wildchat", "syn-b-in1024-out32", "long-context", "turns-4"])
+@pytest.mark.parametrize("name", ["sharegpt", "wildchat", "large_huge_paste", "long-context", "turns-4"])
 def test_generators_are_deterministic_for_a_seed(name):
     a = wl.make_workload(name, 5.0, 20.0, seed=3)
     assert a == wl.make_workload(name, 5.0, 20.0, seed=3)
@@ -57,26 +57,64 @@ def test_contents_do_not_depend_on_rate_and_arrivals_are_poisson():
     slow, fast = wl.sharegpt_like(1.0, 100.0, seed=2), wl.sharegpt_like(4.0, 100.0, seed=2)
     n = min(len(slow.conversations), len(fast.conversations))
     assert [c.turns for c in slow.conversations[:n]] == [c.turns for c in fast.conversations[:n]]
-    arrivals = [c.arrival_s for c in wl.make_workload("syn-a-in32-out32", 20.0, 100.0).conversations]
+    arrivals = [c.arrival_s for c in wl.make_workload("turns-2", 20.0, 100.0).conversations]
     assert arrivals == sorted(arrivals) and 0 <= arrivals[0] and arrivals[-1] < 100.0
     assert near(len(arrivals), 2000, 0.1)
     gaps = np.diff(arrivals)
     assert near(float(np.mean(gaps)), 0.05, 0.1) and near(float(np.std(gaps)), 0.05, 0.15)  # exponential
 
 
-def test_the_18_synthetic_workloads_have_the_papers_sizes():
-    assert len(wl.SYNTHETIC_NAMES) == len(set(wl.SYNTHETIC_NAMES)) == 18
-    assert {"syn-a-in32-out512", "syn-a-in1024-out32", "syn-b-in256-out256"} <= set(wl.SYNTHETIC_NAMES)
-    for name in wl.SYNTHETIC_NAMES:
-        m = wl.WORKLOADS[name](10.0, 2.0, 0)
-        first, follow = wl.synthetic_sizes(name)
-        assert first == ((512, 128) if name.startswith("syn-a") else (2048, 128))
-        assert f"-in{follow[0]}-out{follow[1]}" in name
-        for c in m.conversations:
-            assert [(t.user_tokens, t.max_tokens, t.think_time_s) for t in c.turns] == [
-                (*first, 0.0), (*follow, 0.0)]
-    slow = wl.paper_synthetic("syn-a-in32-out512", 10.0, 2.0, think_time_s=0.5)
-    assert all(c.turns[1].think_time_s == 0.5 for c in slow.conversations)
+def test_the_18_paper_workloads_have_the_authors_sizes_and_names():
+    names = list(wl.PAPER_WORKLOADS)
+    assert len(names) == len(set(names)) == 18
+    assert names[0] == "small_tiny" and names[-1] == "large_huge_paste"
+    assert wl.PAPER_WORKLOADS["small_tiny"] == ((128, 128), (16, 32))
+    assert wl.PAPER_WORKLOADS["large_very_long_gen"] == ((1024, 1024), (64, 1024))
+    assert wl.PAPER_WORKLOADS["small_big_paste"] == ((128, 128), (512, 64))
+    assert wl.PAPER_WORKLOADS["large_huge_paste"] == ((1024, 1024), (1024, 32))
+    assert wl.PAPER_QPS == (0.5, 1, 2, 4, 6, 8, 10, 12, 16, 20)
+    for name, (first, follow) in wl.PAPER_WORKLOADS.items():
+        m = wl.make_workload(name, 4.0, 10.0, seed=1)
+        assert m.header is not None and m.header.workload == name and m.header.protocol == wl.paper_protocol()
+        plan = [(*first, 0.0), (*follow, 0.0)]
+        assert m.conversations and all(
+            [(t.user_tokens, t.max_tokens, t.think_time_s) for t in c.turns] == plan for c in m.conversations)
+
+
+def test_paper_arrivals_are_the_authors_process():
+    # int(qps * 10) draws, kept below 10 s: never more than qps * 10, on average
+    # E[min(Poisson(qps * 10), qps * 10)] (8.75 at 1 conv/s), not a plain Poisson count.
+    counts = [len(wl.paper_arrivals(1.0, seed)) for seed in range(2000)]
+    assert max(counts) == 10 and abs(float(np.mean(counts)) - 8.75) < 0.15
+    assert all(len(wl.paper_arrivals(0.5, seed)) <= 5 for seed in range(200))
+    a = wl.paper_arrivals(20.0, 3)
+    assert a == sorted(a) and 0 < a[0] and a[-1] < wl.PAPER_ARRIVAL_WINDOW_S and len(a) <= 200
+    assert a == wl.paper_arrivals(20.0, 3) != wl.paper_arrivals(20.0, 4)
+    with pytest.raises(ValueError):
+        wl.paper_arrivals(0.0, 1)
+
+
+def test_paper_workload_is_the_simulators_conversations():
+    convs = wl.paper_workload("small_mid_paste", 2.0, seed=5)
+    m = wl.paper_manifest("small_mid_paste", 2.0, seed=5)
+    assert convs == to_sim(m) and [c.arrival_s for c in convs] == wl.paper_arrivals(2.0, 5)
+    assert all(c.turns == [sim.Turn(128, 128), sim.Turn(256, 64)] and c.seed == 5 for c in convs)
+    with pytest.raises(wl.UnknownWorkload, match="small_tiny"):
+        wl.paper_workload("syn-a-in32-out512", 1.0)
+
+
+def test_paper_protocol_survives_a_file_round_trip_and_a_rescale(tmp_path):
+    m = wl.paper_manifest("large_tiny", 4.0, seed=2)
+    save_manifest(m, tmp_path / "p.jsonl")
+    assert load_manifest(tmp_path / "p.jsonl") == m
+    header = json.loads((tmp_path / "p.jsonl").read_text().splitlines()[0])
+    assert header["version"] == 2 and header["protocol"] == {
+        "arrival": "paper-poisson", "arrival_window_s": 10.0, "turns": 2, "request_timeout_s": 120.0,
+        "kill_after_s": 600.0, "max_connections": 50}
+    slow = scale_arrivals(m, 2.0)
+    assert slow.header is not None and slow.header.protocol is not None
+    assert slow.header.protocol.arrival_window_s == pytest.approx(slow.header.duration_s)
+    assert slow.header.protocol.request_timeout_s == 120.0
 
 
 def test_long_context_and_turn_scaling():
@@ -133,8 +171,8 @@ def test_unknown_workload_lists_the_names():
     with pytest.raises(KeyError) as err:
         wl.make_workload("nope", 1.0, 1.0)
     assert isinstance(err.value, wl.UnknownWorkload)
-    assert "sharegpt" in str(err.value) and "syn-a-in32-out512" in str(err.value)
-    expected = {"long-context", "sharegpt", "wildchat", *wl.SYNTHETIC_NAMES,
+    assert "sharegpt" in str(err.value) and "small_tiny" in str(err.value)
+    expected = {"long-context", "sharegpt", "wildchat", *wl.PAPER_WORKLOADS,
                 *(f"turns-{n}" for n in range(2, 17))}
     assert expected <= set(wl.WORKLOADS)
 
@@ -195,7 +233,13 @@ def test_validation_errors_name_line_and_field(tmp_path, bad, line, expected):
 
 
 @pytest.mark.parametrize("header, expected", [
-    ('{"manifest": "dynamo-ppd", "version": 2}', "version: unsupported manifest version 2"),
+    ('{"manifest": "dynamo-ppd", "version": 3}', "version: unsupported manifest version 3"),
+    ('{"manifest": "dynamo-ppd", "version": 1, "protocol": {"turns": 2}}',
+     "protocol: not in manifest version 1"),
+    ('{"manifest": "dynamo-ppd", "version": 2, "protocol": {"turns": 0}}',
+     "protocol.turns: Expected int >= 1"),
+    ('{"manifest": "dynamo-ppd", "version": 2, "protocol": {"arrival": "burst"}}',
+     "protocol.arrival: Invalid enum value 'burst'"),
     ('{"manifest": "other", "version": 1}', "manifest: expected 'dynamo-ppd'"),
     ('{"manifest": "dynamo-ppd", "version": 1, "owner": "me"}', "owner: unknown field"),
     ('{"manifest": "dynamo-ppd", "version": "1"}', "version: Expected int, got str"),

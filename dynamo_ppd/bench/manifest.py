@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -27,7 +27,8 @@ from msgspec import Meta
 from dynamo_ppd.sim import workload as sim
 
 MANIFEST_MAGIC = "dynamo-ppd"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2 added the header's `protocol`; version 1 files (no protocol) still load
+READABLE_VERSIONS = (1, 2)
 
 TokenCounter = Callable[[str], int]
 
@@ -62,10 +63,30 @@ class ManifestConversation(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     turns: Annotated[list[ManifestTurn], Meta(min_length=1)]
 
 
+class ManifestProtocol(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """How the manifest must be run to be comparable with where it came from (the paper's
+    protocol for its workloads): a replay that ignores these measures something else.
+
+    ``arrival`` names the arrival process the arrivals were drawn from (``poisson``: a Poisson
+    process over the duration; ``paper-poisson``: the authors' ``int(rate x window)`` draws kept
+    below the window) over ``arrival_window_s``; ``turns`` is every conversation's turn count
+    (None: they vary); ``request_timeout_s`` fails a request not finished that long after it
+    was issued, waiting for a connection included; ``kill_after_s`` abandons the whole point
+    that long after its start; ``max_connections`` caps the client's requests in flight (a new
+    conversation waits for a free one; None: no cap)."""
+
+    arrival: Literal["poisson", "paper-poisson", "trace"] = "poisson"
+    arrival_window_s: Annotated[float, Meta(gt=0)] | None = None
+    turns: Annotated[int, Meta(ge=1)] | None = None
+    request_timeout_s: Annotated[float, Meta(gt=0)] | None = None
+    kill_after_s: Annotated[float, Meta(gt=0)] | None = None
+    max_connections: Annotated[int, Meta(ge=1)] | None = None
+
+
 class ManifestHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The optional first line: what made the manifest, so a report can say what it ran.
     ``rate_conv_per_s`` and ``duration_s`` are the arrival process it was generated (or
-    rescaled) for, when known."""
+    rescaled) for, when known; ``protocol`` how it must be run, when it matters."""
 
     manifest: str = MANIFEST_MAGIC
     version: int = MANIFEST_VERSION
@@ -74,6 +95,7 @@ class ManifestHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     description: str = ""
     rate_conv_per_s: float | None = None
     duration_s: float | None = None
+    protocol: ManifestProtocol | None = None
 
 
 def approx_tokens(text: str) -> int:
@@ -163,9 +185,11 @@ def _parse_header(obj: dict[str, Any], where: str) -> ManifestHeader:
         raise ManifestError(f"{where}: {_describe(e)}") from None
     if header.manifest != MANIFEST_MAGIC:
         raise ManifestError(f"{where}: manifest: expected {MANIFEST_MAGIC!r}, got {header.manifest!r}")
-    if header.version != MANIFEST_VERSION:
+    if header.version not in READABLE_VERSIONS:
         raise ManifestError(f"{where}: version: unsupported manifest version {header.version} "
-                            f"(this reader knows version {MANIFEST_VERSION})")
+                            f"(this reader knows versions {', '.join(map(str, READABLE_VERSIONS))})")
+    if header.version == 1 and header.protocol is not None:
+        raise ManifestError(f"{where}: protocol: not in manifest version 1 (write version 2)")
     return header
 
 
@@ -262,5 +286,9 @@ def scale_arrivals(manifest: Manifest, rate_conv_per_s: float) -> Manifest:
     k = len(convs) / (rate_conv_per_s * last)
     if header is not None:
         duration = header.duration_s * k if header.duration_s else len(convs) / rate_conv_per_s
-        header = msgspec.structs.replace(header, rate_conv_per_s=rate_conv_per_s, duration_s=duration)
+        protocol = header.protocol
+        if protocol is not None and protocol.arrival_window_s is not None:  # the window stretches too
+            protocol = msgspec.structs.replace(protocol, arrival_window_s=protocol.arrival_window_s * k)
+        header = msgspec.structs.replace(header, rate_conv_per_s=rate_conv_per_s, duration_s=duration,
+                                         protocol=protocol)
     return Manifest(header, [msgspec.structs.replace(c, arrival_s=c.arrival_s * k) for c in convs])

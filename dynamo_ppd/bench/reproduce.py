@@ -123,9 +123,9 @@ def fig6(seconds, seed, out: Path) -> str:
     rows: list[str] = []
     series: dict[str, list[dict]] = {"PPD": []}
     _progress("fig 6: w_tpot frontier")
-    x0 = run("1P3D", pd_router, "syn-b-in1024-out32", 4.0, seconds, seed)
+    x0 = run("1P3D", pd_router, "large_huge_paste", 4.0, seconds, seed)
     for w in weights:
-        o = run("1P3D", ppd_router("1P3D", Weights(1, w)), "syn-b-in1024-out32", 4.0, seconds, seed)
+        o = run("1P3D", ppd_router("1P3D", Weights(1, w)), "large_huge_paste", 4.0, seconds, seed)
         series["PPD"].append(o)
         rows.append(f"| {w:g} | {o['local_share']:.0%} | {o['ttft2_mean_ms']:.1f} | "
                     f"{o['tpot_mean_ms']:.2f} |")

@@ -1,5 +1,9 @@
 """Workload generators: manifests for the paper's experiments and for ShareGPT/WildChat-like chat.
 
+The paper's 18 controlled workloads (``small_tiny`` ... ``large_huge_paste``) follow the authors'
+benchmark exactly, arrivals included (`paper_arrivals`); the other generators below use a plain
+Poisson process over the duration.
+
 The real data sets are not reachable offline (and tests must not need them), so the chat
 workloads are synthetic with the data sets' published shape (turn counts, message-size medians
 and tails; docs/manifest.md lists every parameter and how it was fitted). A user with the real
@@ -27,9 +31,12 @@ from dynamo_ppd.bench.manifest import (
     ManifestConversation,
     ManifestError,
     ManifestHeader,
+    ManifestProtocol,
     ManifestTurn,
     TokenCounter,
+    to_sim,
 )
+from dynamo_ppd.sim import workload as sim
 
 _Z = NormalDist()
 TurnPlan = Callable[[random.Random], list[ManifestTurn]]
@@ -110,37 +117,87 @@ def _fixed_plan(first: tuple[int, int], follow_up: tuple[int, int], turns: int,
 
 
 # --- the paper's controlled experiments -----------------------------------------------------
+# Exactly the authors' benchmark (freelulul/vllm-ppd, ppd/scripts/benchmark/
+# comprehensive_benchmark.py at commit baaceea6: T1_CONFIGS, T2_CONFIGS, QPS_POINTS,
+# DURATION_PER_POINT_SEC, REQUEST_TIMEOUT_SEC, TEST_POINT_TIMEOUT_SEC, run_benchmark_point_inner),
+# which produced the measurements in `dynamo_ppd/bench/data/paper_comprehensive.csv`.
 
-SYNTHETIC_FIRST_TURNS = {"a": (512, 128), "b": (2048, 128)}  # (n_in, n_out); our choice, see below
-SYNTHETIC_FOLLOW_UP_IN = (32, 256, 1024)
-SYNTHETIC_FOLLOW_UP_OUT = (32, 256, 512)
-SYNTHETIC_NAMES = [f"syn-{k}-in{n_in}-out{n_out}" for k in SYNTHETIC_FIRST_TURNS
-                   for n_in in SYNTHETIC_FOLLOW_UP_IN for n_out in SYNTHETIC_FOLLOW_UP_OUT]
+PAPER_T1: dict[str, tuple[int, int]] = {"small": (128, 128), "large": (1024, 1024)}
+"""First turn (prompt tokens, output tokens): the history a follow-up appends to."""
+PAPER_T2: dict[str, tuple[int, int]] = {
+    "tiny": (16, 32), "short_gen": (32, 256), "long_gen": (32, 512), "very_long_gen": (64, 1024),
+    "small_bal": (64, 64), "mid_bal": (128, 128), "mid_paste": (256, 64), "big_paste": (512, 64),
+    "huge_paste": (1024, 32)}
+"""Second turn (new input tokens, output tokens), decode-heavy (long_gen) to prefill-heavy."""
+PAPER_WORKLOADS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    f"{t1}_{t2}": (PAPER_T1[t1], PAPER_T2[t2]) for t1 in PAPER_T1 for t2 in PAPER_T2}
+"""The 18 workloads by the data's names (``small_tiny`` ... ``large_huge_paste``): (T1, T2)."""
+PAPER_QPS: tuple[float, ...] = (0.5, 1, 2, 4, 6, 8, 10, 12, 16, 20)
+"""The rates of every workload, in conversations per second."""
+PAPER_ARRIVAL_WINDOW_S = 10.0
+PAPER_TURNS = 2
+PAPER_REQUEST_TIMEOUT_S = 120.0  # per request (aiohttp total timeout; includes waiting for a connection)
+PAPER_KILL_AFTER_S = 600.0  # a point still running this long after its start is abandoned (0% success)
+PAPER_MAX_CONNECTIONS = 50
+"""The client's connection pool (``aiohttp.TCPConnector(limit=50)``): at most 50 requests in
+flight; a new conversation's turn 1 waits for a free connection, and that wait is inside its
+TTFT and its 120 s timeout. Turn 2, sent the instant turn 1's stream ends, takes the connection
+turn 1 just released (the measured turn-2 TTFT shows no pool wait), so in effect at most 50
+conversations are in flight. This is why the measured turn-1 TTFT reaches ~30 s at 20 conv/s with
+``large`` T1 while TPOT stays near 10 ms: the pool, not the servers, queues the excess."""
 
 
-def synthetic_sizes(name: str) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(first turn, follow-up) as (user tokens, max tokens) of a synthetic workload name."""
-    if name not in SYNTHETIC_NAMES:
-        raise UnknownWorkload(name)
-    _, key, n_in, n_out = name.split("-")
-    return SYNTHETIC_FIRST_TURNS[key], (int(n_in[2:]), int(n_out[3:]))
+def paper_protocol(arrival_window_s: float = PAPER_ARRIVAL_WINDOW_S) -> ManifestProtocol:
+    """How a paper workload must be run, as its manifest header records it."""
+    return ManifestProtocol(arrival="paper-poisson", arrival_window_s=arrival_window_s,
+                            turns=PAPER_TURNS, request_timeout_s=PAPER_REQUEST_TIMEOUT_S,
+                            kill_after_s=PAPER_KILL_AFTER_S, max_connections=PAPER_MAX_CONNECTIONS)
 
 
-def paper_synthetic(name: str, rate_conv_per_s: float, duration_s: float, seed: int = 0,
-                    think_time_s: float = 0.0) -> Manifest:
-    """One of the paper's 18 synthetic workloads: 2-turn conversations, Poisson arrivals.
+def paper_arrivals(rate_conv_per_s: float, seed: int,
+                   window_s: float = PAPER_ARRIVAL_WINDOW_S) -> list[float]:
+    """The authors' arrival process: ``int(rate * window)`` exponential gaps drawn, their running
+    sums kept only while below the window. So a point holds at most rate x window conversations
+    and on average fewer (E[min(Poisson(rate x window), int(rate x window))]: 8.75 at 1 conv/s,
+    194 at 20 conv/s), which is what the measured
+    ``total_requests`` column shows; a plain Poisson process over the window would not cap it."""
+    if not (rate_conv_per_s > 0 and window_s > 0):
+        raise ValueError("rate and arrival window must be positive")
+    rng = random.Random(f"paper-arrivals:{seed}")
+    out: list[float] = []
+    t = 0.0
+    for _ in range(int(rate_conv_per_s * window_s)):
+        t += rng.expovariate(rate_conv_per_s)
+        if t < window_s:
+            out.append(round(t, 6))
+    return out
 
-    The paper crosses 2 first-turn settings with 9 follow-up settings, n_in in {32, 256, 1024} x
-    n_out in {32, 256, 512}, from decode-heavy (in32-out512) to prefill-heavy (in1024-out32). Its
-    summary does not give the first-turn settings; we use A = (n_in 512, n_out 128) and
-    B = (n_in 2048, n_out 128): a short and a long history that the follow-up appends to, which
-    is what decides whether decode-local append-prefill pays. Names: ``syn-a-in32-out512`` etc.
-    The think time before turn 2 is 0 by default (a controlled experiment; closed loop)."""
-    first, follow_up = synthetic_sizes(name)
-    desc = (f"paper synthetic: turn 1 in={first[0]} out={first[1]}, "
-            f"turn 2 in={follow_up[0]} out={follow_up[1]}")
-    plan = _fixed_plan(first, follow_up, 2, think_time_s)
-    return _build(name, desc, rate_conv_per_s, duration_s, seed, plan)
+
+def paper_manifest(name: str, rate_conv_per_s: float, window_s: float = PAPER_ARRIVAL_WINDOW_S,
+                   seed: int = 0) -> Manifest:
+    """One of the paper's 18 workloads at one rate: `paper_arrivals`, exactly 2 turns (T1 then T2
+    of the name), no think time; the header's protocol says how to run it (timeout, pool, kill).
+    The prompts' sizes are the nominal token counts (the authors generate ~0.75 words per token,
+    so their real counts are close to, not exactly, these); the simulator's chat template adds 5
+    tokens per turn, the authors' text template a few as well."""
+    try:
+        (t1_in, t1_out), (t2_in, t2_out) = PAPER_WORKLOADS[name]
+    except KeyError:
+        raise UnknownWorkload(name) from None
+    plan = [ManifestTurn(t1_out, user_tokens=t1_in), ManifestTurn(t2_out, user_tokens=t2_in)]
+    arrivals = paper_arrivals(rate_conv_per_s, seed, window_s)
+    header = ManifestHeader(
+        workload=name, seed=seed, rate_conv_per_s=rate_conv_per_s, duration_s=window_s,
+        description=f"paper: turn 1 in={t1_in} out={t1_out}, turn 2 in={t2_in} out={t2_out}",
+        protocol=paper_protocol(window_s))
+    convs = [ManifestConversation(f"c{i:05d}", t, list(plan)) for i, t in enumerate(arrivals)]
+    return Manifest(header, convs)
+
+
+def paper_workload(name: str, qps: float, seed: int = 0) -> list[sim.Conversation]:
+    """The simulator's conversations of one paper point (workload ``name`` at ``qps``
+    conversations/s over the 10 s window): what `dynamo-ppd sim paper` runs."""
+    return to_sim(paper_manifest(name, qps, PAPER_ARRIVAL_WINDOW_S, seed))
 
 
 def long_context(rate_conv_per_s: float, duration_s: float, seed: int = 0,
@@ -301,8 +358,16 @@ def load_sharegpt(path: str | Path, tokenizer_count: TokenCounter | None = None,
 
 # --- registry -------------------------------------------------------------------------------
 
+def _paper_factory(name: str) -> Callable[..., Manifest]:
+    """A paper workload as a registry entry: ``duration_s`` is its arrival window."""
+    def factory(rate_conv_per_s: float, duration_s: float = PAPER_ARRIVAL_WINDOW_S,
+                seed: int = 0) -> Manifest:
+        return paper_manifest(name, rate_conv_per_s, duration_s, seed)
+    return factory
+
+
 WORKLOADS: dict[str, Callable[..., Manifest]] = {
-    **{name: functools.partial(paper_synthetic, name) for name in SYNTHETIC_NAMES},
+    **{name: _paper_factory(name) for name in PAPER_WORKLOADS},
     "long-context": long_context,
     **{f"turns-{n}": functools.partial(turn_scaling, n) for n in range(2, 17)},
     "sharegpt": sharegpt_like,
