@@ -88,9 +88,57 @@ class EngineLimits(msgspec.Struct, forbid_unknown_fields=True):
     runtime_reserved_bytes: Annotated[int, msgspec.Meta(ge=0)] = 3_000_000_000
 
 
-class TransferConstants(msgspec.Struct, forbid_unknown_fields=True):
-    link_bandwidth_bytes_s: Positive
-    transfer_setup_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+class TransferConstants(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One P -> D KV link: a transfer of n bytes takes ``transfer_setup_s + n / bandwidth``
+    once it reaches the head of its prefill worker's queue."""
+
+    link_bandwidth_bytes_s: Positive  # effective (what a transfer achieves), not the wire's peak
+    transfer_setup_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # fixed cost per transfer
+
+
+# Links measured in published P/D deployments, not the wire's peak (which would make PD look
+# better than any measurement):
+# - intra-node (NVLink, NIXL/UCX): Dynamo + vLLM + NIXL on H100 moved a 7,500-token prompt's KV
+#   (~0.98 GB for Llama-3.1-8B) in 8 ms with 128-token pages and in 20 ms with 16-token pages,
+#   ~50-120 GB/s effective (LMCache blog, 2025-04-29, "pdbench"). TensorRT-LLM's cache
+#   transceiver spends 0.4-8 ms preparing each transfer besides queueing (its own breakdown,
+#   NVIDIA/TensorRT-LLM PR #12273). With TensorRT-LLM's 32-token blocks we take 60 GB/s and 2 ms.
+# - cross-node (RDMA through the NIC): Dynamo's "Disaggregated Inference Communication Guide"
+#   (docs.nvidia.com/dynamo, kubernetes-deployment/deployment-guide/disagg-communication) gives
+#   20-50 GB/s for InfiniBand and 10-25 GB/s for RoCE; we take 25 GB/s and 3 ms (the same
+#   preparation plus the remote handshake). The same guide says pods cannot use NVLink between
+#   them, so a Kubernetes deployment moves KV this way even within one node.
+LINK_PRESETS: dict[str, TransferConstants] = {
+    "intra-node": TransferConstants(link_bandwidth_bytes_s=60e9, transfer_setup_s=0.002),
+    "cross-node": TransferConstants(link_bandwidth_bytes_s=25e9, transfer_setup_s=0.003),
+}
+
+
+def link_preset(name: str) -> TransferConstants:
+    try:
+        return LINK_PRESETS[name]
+    except KeyError:
+        raise ProfileError(f"no KV link preset {name!r}; choose one of {', '.join(LINK_PRESETS)}") from None
+
+
+class StackCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Fixed costs of the serving stack around the engines, per request, applied by the
+    simulated cluster. Zero for a stack whose costs are not modeled (the TensorRT-LLM profiles:
+    the live router and frontend are real processes there, measured by themselves). The
+    paper-stack profile fits them to the authors' measurements.
+
+    - ``request_overhead_s``: from the client's send to the first worker's queue, plus the
+      first token's way back (HTTP, the proxy, tokenization, detokenization, streaming).
+    - ``handoff_overhead_s``: a request through a prefill worker, from P's first token to the
+      moment its KV may start moving to D (the proxy waits for P's whole answer, then sends the
+      request to D, whose connector handshakes with P).
+    - ``decode_local_overhead_s``: a request that prefills on a disaggregated decode worker
+      (what its KV connector does for a request with no remote KV).
+    """
+
+    request_overhead_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    handoff_overhead_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    decode_local_overhead_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class EngineProfile(msgspec.Struct, forbid_unknown_fields=True):
@@ -99,8 +147,8 @@ class EngineProfile(msgspec.Struct, forbid_unknown_fields=True):
     model: ModelShape
     cost: CostConstants
     engine: EngineLimits = msgspec.field(default_factory=EngineLimits)
-    transfer: TransferConstants = msgspec.field(
-        default_factory=lambda: TransferConstants(link_bandwidth_bytes_s=225e9))
+    transfer: TransferConstants = msgspec.field(default_factory=lambda: LINK_PRESETS["cross-node"])
+    stack: StackCosts = msgspec.field(default_factory=StackCosts)
 
     def kv_capacity_blocks(self) -> int:
         """KV blocks a worker holds: TensorRT-LLM gives the KV pool a fraction of the memory left

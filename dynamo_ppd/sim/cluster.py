@@ -37,6 +37,7 @@ from ..engine import (
     TokenOutput,
     TransferLink,
 )
+from ..engine.profile import TransferConstants
 from .routing import Aggregated, DecodeLocal, Route, RoutingError, ViaPrefill
 
 
@@ -116,15 +117,17 @@ class Cluster:
 
     def __init__(self, profile: EngineProfile, num_prefill: int, num_decode: int, num_agg: int = 0,
                  link_bandwidth_bytes_s: float | None = None, seed: int = 0,
-                 capacity_blocks: int | None = None):
+                 capacity_blocks: int | None = None, link: TransferConstants | None = None):
+        """``link`` replaces the profile's KV link (a preset); ``link_bandwidth_bytes_s`` then
+        overrides its bandwidth alone (a bandwidth sweep)."""
         if min(num_prefill, num_decode, num_agg) < 0 or num_prefill + num_decode + num_agg == 0:
             raise ValueError("a cluster needs at least one worker and no negative counts")
         self.profile = profile
+        self.stack = profile.stack
         self.kv_bytes_per_token = profile.model.kv_bytes_per_token
-        bandwidth = link_bandwidth_bytes_s
-        if bandwidth is None:
-            bandwidth = profile.transfer.link_bandwidth_bytes_s
-        setup_s = profile.transfer.transfer_setup_s
+        link = link or profile.transfer
+        bandwidth = link.link_bandwidth_bytes_s if link_bandwidth_bytes_s is None else link_bandwidth_bytes_s
+        setup_s = link.transfer_setup_s
         self.workers: dict[str, Worker] = {}
         index = itertools.count()
         for role, count in ((Role.PREFILL, num_prefill), (Role.DECODE, num_decode),
@@ -188,24 +191,31 @@ class Cluster:
 
     # -- requests --------------------------------------------------------------------------------
     def dispatch(self, request: ClusterRequest) -> None:
-        """Start a routed request now; raises RoutingError if its route cannot be executed."""
+        """Start a routed request now; raises RoutingError if its route cannot be executed.
+
+        The stack's fixed costs (`StackCosts`, zero unless the profile models its stack) delay
+        the request's arrival at its first worker; the routing decision is made now, on what
+        the router sees at the request's arrival, as a proxy decides before it forwards."""
         route = request.route
+        stack = self.stack
         if isinstance(route, ViaPrefill):
             prefill = self._worker(route.prefill, Role.PREFILL, route)
             decode = self._worker(route.decode, Role.DECODE, route)
             request.prefill = EngineRequest(request.request_id, request.prompt, 1, RequestKind.CONTEXT_ONLY,
                                             prompt_hashes=request.prompt_hashes)
-            self._submit(prefill, request.prefill)
+            self._submit(prefill, request.prefill, stack.request_overhead_s)
             decode.inflight += 1  # counted from now: the router has committed to it
         elif isinstance(route, (DecodeLocal, Aggregated)):
+            delay_s = stack.request_overhead_s
             if isinstance(route, DecodeLocal):
                 decode = self._worker(route.decode, Role.DECODE, route)
+                delay_s += stack.decode_local_overhead_s
             else:
                 decode = self._worker(route.worker, Role.AGGREGATED, route)
             request.serving = EngineRequest(request.request_id, request.prompt, request.max_tokens,
                                             RequestKind.CONTEXT_AND_GENERATION,
                                             prompt_hashes=request.prompt_hashes)
-            self._submit(decode, request.serving)
+            self._submit(decode, request.serving, delay_s)
         else:
             raise RoutingError(f"a router returned {route!r}, which is not a ViaPrefill, DecodeLocal "
                                f"or Aggregated route")
@@ -220,9 +230,17 @@ class Cluster:
                                f"cluster's {role.value} workers are: {valid}")
         return worker
 
-    def _submit(self, worker: Worker, request: EngineRequest) -> None:
-        worker.engine.submit(request, self.now)
+    def _submit(self, worker: Worker, request: EngineRequest, delay_s: float = 0.0) -> None:
+        """Hand ``request`` to the worker's engine ``delay_s`` from now (counted in its
+        in-flight requests from now: the router has committed to it)."""
         worker.inflight += 1
+        if delay_s > 0:
+            self.call_at(self.now + delay_s, self._arrive, worker, request)
+        else:
+            self._arrive(worker, request)
+
+    def _arrive(self, worker: Worker, request: EngineRequest) -> None:
+        worker.engine.submit(request, self.now)
         self._wake(worker, self.now)
 
     # -- workers ---------------------------------------------------------------------------------
@@ -276,8 +294,9 @@ class Cluster:
         assert prefill.link is not None and isinstance(request.route, ViaPrefill)
         decode = self.workers[request.route.decode]
         num_bytes = len(request.prompt) * self.kv_bytes_per_token
-        _, landed = prefill.link.schedule(num_bytes, ready_at=out.at)
-        request.transfer_bytes, request.transfer_s = num_bytes, landed - out.at
+        ready_at = out.at + self.stack.handoff_overhead_s
+        _, landed = prefill.link.schedule(num_bytes, ready_at=ready_at)
+        request.transfer_bytes, request.transfer_s = num_bytes, landed - ready_at
         request.serving = EngineRequest(request.request_id, request.prompt, request.max_tokens,
                                         RequestKind.GENERATION_ONLY, first_token=out.token_ids[0],
                                         kv_ready_at=landed, prompt_hashes=request.prompt_hashes)

@@ -16,6 +16,7 @@ Routes, as the live router executes them:
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -163,6 +164,86 @@ def agg_router(features: RequestFeatures, view: ClusterView) -> Route:
                 load.kv_active_blocks + view.inflight(worker), load.kv_used_blocks, worker)
 
     return Aggregated(min(workers, key=key))
+
+
+class PaperConfig(msgspec.Struct, frozen=True):
+    """One of the paper's configurations, by the name its data uses (``1P_2D_1pD``, ``4R``,
+    ``1R_1P_2D``): counts of prefill workers (P), decode workers that never prefill (D),
+    prefill-capable decode workers whose conversations' later turns run decode-local (pD), and
+    aggregated replicas (R)."""
+
+    name: str
+    prefill: int
+    decode: int  # D
+    prefill_capable_decode: int  # pD
+    replicas: int  # R
+
+    @property
+    def cluster_config(self) -> str:
+        """The simulator's worker counts (D and pD are both decode workers), e.g. ``1P3D1R``."""
+        parts = [(self.prefill, "P"), (self.decode + self.prefill_capable_decode, "D"), (self.replicas, "R")]
+        return "".join(f"{n}{role}" for n, role in parts if n)
+
+
+def parse_paper_config(name: str) -> PaperConfig:
+    """``1P_2D_1pD`` -> PaperConfig(prefill=1, decode=2, prefill_capable_decode=1, replicas=0)."""
+    counts = {"P": 0, "D": 0, "pD": 0, "R": 0}
+    parts = name.strip().split("_")
+    for part in parts:
+        match = re.fullmatch(r"(\d+)(P|D|pD|R)", part)
+        if match is None or counts[match.group(2)]:
+            raise ValueError(f"config {name!r} is not like the paper's 1P_3D, 1P_2D_1pD, 1R_1P_2D or 4R "
+                             f"(parts <n>P, <n>D, <n>pD, <n>R joined by '_', each at most once)")
+        counts[match.group(2)] = int(match.group(1))
+    decode = counts["D"] + counts["pD"]
+    if (counts["P"] == 0) != (decode == 0) or counts["P"] + decode + counts["R"] == 0:
+        raise ValueError(f"config {name!r}: prefill and decode workers come together, and a config "
+                         f"needs at least one worker")
+    return PaperConfig(name, counts["P"], counts["D"], counts["pD"], counts["R"])
+
+
+def paper_proxy_router(config: PaperConfig, seed: int = 0) -> Router:
+    """The paper authors' proxy (freelulul/vllm-ppd, ``ppd/comprehensive_proxy.py`` at commit
+    3fa83415, ``select_servers``), as it places conversations with no load signal:
+
+    - a new conversation draws a hash h (Python's per-process ``hash`` of the first user
+      message there; a seeded 64-bit draw here);
+    - pure P/D: prefill ``P[h % nP]``, decode ``(D + pD)[h % (nD + npD)]``; hybrids: slot
+      ``h % (nR + nD + npD)`` over replicas first, then pD, then D, and prefill ``P[h % nP]``;
+      4R: ``R[h % nR]``;
+    - later turns stay on the conversation's workers; on a pD worker they run decode-local
+      (``ppd_direct``), on a D worker through the same prefill worker again.
+
+    The simulator's workers D0.. are the config's D workers first, then its pD workers."""
+    prefill = [f"P{i}" for i in range(config.prefill)]
+    plain = [f"D{i}" for i in range(config.decode)]
+    capable = [f"D{config.decode + i}" for i in range(config.prefill_capable_decode)]
+    replicas = [f"A{i}" for i in range(config.replicas)]
+    placed: dict[str, Route] = {}
+
+    def place(conversation_id: str) -> Route:
+        h = random.Random(f"{seed}:{conversation_id}").getrandbits(64)
+        if not prefill:
+            return Aggregated(replicas[h % len(replicas)])
+        if replicas:
+            slot = h % (len(replicas) + len(capable) + len(plain))
+            if slot < len(replicas):
+                return Aggregated(replicas[slot])
+            decode = (capable + plain)[slot - len(replicas)]
+        else:
+            decode = (plain + capable)[h % (len(plain) + len(capable))]
+        return ViaPrefill(prefill[h % len(prefill)], decode)
+
+    def route(features: RequestFeatures, view: ClusterView) -> Route:
+        first = placed.get(features.conversation_id)
+        if first is None or features.turn == 1:
+            first = placed[features.conversation_id] = place(features.conversation_id)
+        if features.turn > 1 and isinstance(first, ViaPrefill) and first.decode in capable:
+            return DecodeLocal(first.decode)
+        return first
+
+    route.__name__ = f"paper_proxy_router({config.name})"
+    return route
 
 
 ROUTER_NAMES = ("pd", "local", "fraction", "agg")
