@@ -84,8 +84,11 @@ def test_client_measures_known_timings_and_sends_real_history(stub):
     assert second["messages"][1]["content"].strip() == "t0 t1 t2 t3 t4 t5"
     assert len({s for _, s in bodies}) == 1 and all(b["ignore_eos"] and b["stream"] for b, _ in Stub.seen)
     point = summarize("stub", "test", 1.0, results, duration_s=1.0)
-    assert point.success_rate == 1.0 and point.requests == 3
-    assert point.turn2p_ttft_ms.count == 1 and point.turn1_ttft_ms.count == 2
+    o = point.outcome
+    assert o.success_rate == 100.0 and o.total_requests == 3 and o.timeout_s == 30.0
+    assert o.turn2.count == 1 and o.turn1.count == 2
+    assert o.turn1.avg_ttft_s == pytest.approx(FIRST_TOKEN_S, abs=0.03)
+    assert o.all_turns.avg_tpot_s == pytest.approx(GAP_S, abs=0.008)  # (e2e - TTFT) / (tokens - 1)
 
 
 def test_client_reports_failures():
@@ -105,10 +108,15 @@ def test_bench_compare_two_systems_end_to_end(model_dir, tmp_path):
     results = compare(["pd", "ppd"], "turns-4", None, [1.0], duration_s=4, config="1P2D", out_dir=out)
     assert {p.system for p in results.points} == {"pd", "ppd"}
     for point in results.points:
-        assert point.requests > 0 and point.success_rate == 1.0
-        assert point.turn2p_ttft_ms.count > 0 and point.tpot_ms.p50 > 0
+        o = point.outcome
+        assert o.total_requests > 0 and o.success_rate == 100.0
+        assert o.turn2.count > 0 and o.all_turns.p50_tpot_s is not None and o.all_turns.p50_tpot_s > 0
         assert point.client_lag_ms.p99 < 50  # the client kept up
     assert res.load(out / "results.json") == results
+    old = out / "old.json"
+    old.write_text('{"version": 1, "config": "1P2D", "points": []}')
+    with pytest.raises(res.ResultsError, match="results version 1, this dynamo-ppd reads version 2"):
+        res.load(old)
     table = (out / "results.md").read_text()
     assert "| ppd | turns-4 | 1 |" in table and "x)" in table  # ratios to pd
     assert (out / "turns-4.png").stat().st_size > 10_000

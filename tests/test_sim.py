@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -263,11 +264,21 @@ def test_cli_prints_a_summary_and_writes_json(tmp_path, capsys):
                "--think-time", "0.2", "--link-bandwidth", "50", "--seed", "1", "--json", str(out))
     assert code == 0
     text = capsys.readouterr().out
-    assert "turn-2+ TTFT ms" in text and "simulated s per wall s" in text
+    assert "turns 2+" in text and "simulated s per wall s" in text and "no timeout" in text
     document = json.loads(out.read_text())
-    assert document["summary"]["requests"] == len(document["records"]) > 0
+    outcome = document["summary"]["outcome"]
+    assert outcome["total_requests"] == len(document["records"]) + len(document["in_flight"]) > 0
+    assert outcome["success_rate"] == 100.0 and outcome["turn2"]["count"] > 0
     assert document["settings"]["config"] == "2P2D"
     assert {r["route"] for r in document["records"]} <= {"via_prefill", "decode_local"}
+
+
+def test_cli_timeout_fails_late_turns_and_ends_their_conversations(capsys):
+    assert cli("--config", "1P1D", "--rate", "4", "--duration", "2", "--first-turn", "1024,400",
+               "--timeout", "1") == 0
+    text = capsys.readouterr().out
+    assert "success 0.0%" in text and "(1 s timeout)" in text and "timeout" in text
+    assert re.search(r"turns 2\+ +0/0 ", text)  # no follow-up was sent
 
 
 def test_cli_rejects_bad_settings(capsys):
@@ -276,6 +287,8 @@ def test_cli_rejects_bad_settings(capsys):
     assert cli("--config", "4R", "--router", "pd") == 2
     with pytest.raises(SystemExit):
         cli("--first-turn", "1024")
+    with pytest.raises(SystemExit):
+        cli("--timeout", "0")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert all(action.help for action in parser._actions)

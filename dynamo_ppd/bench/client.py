@@ -4,8 +4,10 @@ back in the next turn), ``x-dynamo-session-id`` per conversation and a fixed out
 turn (``max_tokens`` with ``ignore_eos``).
 
 Per request it records the turn, TTFT, the gaps between tokens, end-to-end time and success (an
-error or more than 30 s is a failure, as in the paper), and how late the client itself sent it
-against the schedule (``lag_s``): an overloaded client must not pass for a slow server.
+error or an answer not complete within `CHAT_TIMEOUT_S` is a failure, and the conversation then
+sends no further turn, as the paper's client; `dynamo_ppd.sim.outcome` has the definitions), and
+how late the client itself sent it against the schedule (``lag_s``): an overloaded client must not
+pass for a slow server.
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ from collections.abc import Callable
 import httpx
 import msgspec
 
+from ..sim.outcome import CHAT_TIMEOUT_S
 from .manifest import Manifest, ManifestConversation
-
-TIMEOUT_S = 30.0
 
 
 class RequestResult(msgspec.Struct, frozen=True):
@@ -80,7 +81,7 @@ async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages:
     stamps: list[float] = []
     text = ""
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=TIMEOUT_S,
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=CHAT_TIMEOUT_S,
                                  headers={"x-dynamo-session-id": session}) as response:
             if response.status_code != 200:
                 return None, None, [], "", f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
@@ -109,7 +110,7 @@ async def run_manifest(url: str, manifest: Manifest, model: str | None = None, s
     """Play the manifest against ``url`` (OpenAI base URL); return every request's result."""
     url = url.rstrip("/")
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    async with httpx.AsyncClient(limits=limits, timeout=TIMEOUT_S) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=CHAT_TIMEOUT_S) as client:
         if model is None:
             model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         text = TokenText(seed)
@@ -129,14 +130,14 @@ async def run_manifest(url: str, manifest: Manifest, model: str | None = None, s
                 sent = time.monotonic() - start
                 ttft, e2e, gaps, reply, error = await chat_stream(client, url, model, messages,
                                                                   turn.max_tokens, session)
-                ok = error is None and e2e is not None and e2e <= TIMEOUT_S
+                ok = error is None and e2e is not None and e2e <= CHAT_TIMEOUT_S
                 result = RequestResult(conv.conversation_id, index, due, sent, sent - due, ttft, e2e,
                                        len(gaps) + 1 if ttft is not None else 0, gaps, ok, error)
                 results.append(result)
                 if on_result:
                     on_result(result)
-                if error is not None:
-                    return  # the conversation cannot go on without its reply
+                if not ok:
+                    return  # a failed turn ends its conversation (the paper's client does so too)
                 messages.append({"role": "assistant", "content": reply})
 
         await asyncio.gather(*(conversation(c) for c in manifest.conversations))

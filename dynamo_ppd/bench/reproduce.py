@@ -12,16 +12,16 @@ WildChat-like conversations have ~2.5 turns, so the request rate is about 2.5x.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 from ..engine.profile import load_profile
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
-from ..policy.simulate import TIMEOUT_S, PolicyRouter
+from ..policy.simulate import PolicyRouter
 from ..policy.table import Weights, bundled_table, load_table, reweight
 from ..sim import Cluster, simulate
+from ..sim.outcome import CHAT_TIMEOUT_S
 from ..sim.routing import local_router, pd_router
 from .manifest import to_sim
 from .workloads import make_workload
@@ -30,21 +30,23 @@ CONFIGS = ("1P3D", "2P2D", "3P1D")
 
 
 def run(config: str, router, workload: str, rate: float, seconds: float, seed: int,
-        bandwidth: float | None = None) -> dict[str, float]:
+        bandwidth: float | None = None, timeout_s: float = CHAT_TIMEOUT_S) -> dict[str, float]:
+    """One point, figures from the one outcome summary (`dynamo_ppd.sim.outcome`): turn-2+ TTFT
+    mean with each failed follow-up at ``timeout_s`` (0: no follow-ups), p50s over successful
+    requests, success as the share of all requests sent."""
     profile = load_profile()
     cluster = Cluster.from_config(profile, config, seed=seed, link_bandwidth_bytes_s=bandwidth)
     conversations = to_sim(make_workload(workload, rate, seconds, seed))
-    result = simulate(cluster, conversations, router, until_s=seconds + TIMEOUT_S,
+    result = simulate(cluster, conversations, router, timeout_s=timeout_s,
                       on_finish=getattr(router, "on_finish", None))
-    follow = [r for r in result.records if r.turn > 1]
-    total = len(result.records) + result.unfinished
-    ok = sum(1 for r in result.records if r.finished_s - r.arrival_s <= TIMEOUT_S)
-    ttfts = sorted(min(r.ttft_s, TIMEOUT_S) for r in follow) or [0.0]  # 0: no follow-ups
-    tpots = sorted(r.tpot_s for r in result.records if r.tpot_s is not None) or [0.0]
-    return {"ttft2_p50_ms": statistics.median(ttfts) * 1e3, "ttft2_mean_ms": statistics.fmean(ttfts) * 1e3,
-            "tpot_p50_ms": statistics.median(tpots) * 1e3, "tpot_mean_ms": statistics.fmean(tpots) * 1e3,
-            "success": ok / total if total else 1.0,
-            "local_share": sum(r.route == "decode_local" for r in follow) / max(1, len(follow))}
+    o = result.outcome()
+
+    def ms(value: float | None) -> float:
+        return value * 1e3 if value is not None else 0.0
+
+    return {"ttft2_p50_ms": ms(o.turn2.p50_ttft_s), "ttft2_mean_ms": ms(o.turn2_ttft_mean_with_timeouts_s),
+            "tpot_p50_ms": ms(o.all_turns.p50_tpot_s), "tpot_mean_ms": ms(o.tpot_mean_s),
+            "success": o.success_share, "local_share": result.local_share()}
 
 
 def ppd_router(config: str, weights: Weights | None = None) -> PolicyRouter:

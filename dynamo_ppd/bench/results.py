@@ -1,8 +1,10 @@
 """Benchmark results: one schema for `results.json`, the side-by-side markdown table, the plots.
 
-A point is one (system, workload, QPS) run. TTFT is split into turn 1 and turns 2+ (the paper's
-distinction: only follow-ups can be decode-local); TPOT is the mean gap between streamed tokens of
-each request; throughput counts output tokens of successful requests over the run.
+A point is one (system, workload, QPS) run, summarized by the one outcome summary of the
+simulator and the tables (`dynamo_ppd.sim.outcome`): success = finished within the timeout
+without error, over every request sent; latencies per turn 1 / turns 2+ over successful
+requests (the paper's distinction: only follow-ups can be decode-local); TPOT = (e2e - TTFT) /
+(tokens - 1); throughput = output tokens of successful requests over the run's duration.
 """
 
 from __future__ import annotations
@@ -12,9 +14,16 @@ from pathlib import Path
 
 import msgspec
 
+from ..sim.outcome import CHAT_TIMEOUT_S, Outcome, TurnResult
+from ..sim.outcome import summarize as summarize_outcome
 from .client import RequestResult
 
-RESULTS_VERSION = 1
+# 2: a point carries the Outcome (`dynamo_ppd.sim.outcome`) instead of its own TTFT/TPOT stats.
+RESULTS_VERSION = 2
+
+
+class ResultsError(ValueError):
+    """A results file this version cannot read (one line, names the file)."""
 
 
 class Stats(msgspec.Struct, frozen=True):
@@ -40,15 +49,9 @@ class Point(msgspec.Struct, frozen=True):
     system: str
     workload: str
     qps: float  # conversation arrival rate asked for
-    turn1_ttft_ms: Stats
-    turn2p_ttft_ms: Stats
-    tpot_ms: Stats
-    throughput_tok_s: float
-    success_rate: float
-    requests: int
+    outcome: Outcome
     achieved_rps: float  # requests per second actually sent
     client_lag_ms: Stats  # how late the client sent requests against the schedule
-    duration_s: float
 
 
 class BenchResults(msgspec.Struct):
@@ -57,27 +60,54 @@ class BenchResults(msgspec.Struct):
     points: list[Point]
 
 
+def turn_result(result: RequestResult) -> TurnResult:
+    """A live request as the outcome summary takes it. The client's own timeouts (httpx's, when
+    no byte came for the timeout) are timeouts, not errors: the request did not finish in time."""
+    timed_out = result.error is not None and "Timeout" in result.error.split(":", 1)[0]
+    return TurnResult(result.conversation_id, result.turn, result.sent_s,
+                      None if timed_out else result.ttft_s, None if timed_out else result.e2e_s,
+                      result.output_tokens, None if timed_out else result.error)
+
+
 def summarize(system: str, workload: str, qps: float, results: list[RequestResult],
-              duration_s: float) -> Point:
-    ok = [r for r in results if r.ok]
-    first = [r.ttft_s * 1e3 for r in ok if r.turn == 1 and r.ttft_s is not None]
-    later = [r.ttft_s * 1e3 for r in ok if r.turn > 1 and r.ttft_s is not None]
-    tpots = [r.tpot_s * 1e3 for r in ok if r.tpot_s is not None]
-    span = max([duration_s] + [r.sent_s + (r.e2e_s or 0) for r in results])
-    return Point(system=system, workload=workload, qps=qps, turn1_ttft_ms=stats(first),
-                 turn2p_ttft_ms=stats(later), tpot_ms=stats(tpots),
-                 throughput_tok_s=sum(r.output_tokens for r in ok) / span if span else 0.0,
-                 success_rate=len(ok) / len(results) if results else 1.0, requests=len(results),
+              duration_s: float, timeout_s: float = CHAT_TIMEOUT_S) -> Point:
+    """A point from every request the client sent; ``duration_s`` (the schedule's span or the
+    run's wall time) is only the floor of the span the request rate is taken over."""
+    outcome = summarize_outcome([turn_result(r) for r in results], timeout_s)
+    span = max(duration_s, outcome.duration_s)
+    return Point(system=system, workload=workload, qps=qps, outcome=outcome,
                  achieved_rps=len(results) / span if span else 0.0,
-                 client_lag_ms=stats([r.lag_s * 1e3 for r in results]), duration_s=span)
+                 client_lag_ms=stats([r.lag_s * 1e3 for r in results]))
 
 
 def save(results: BenchResults, path: Path) -> None:
     path.write_bytes(msgspec.json.format(msgspec.json.encode(results)) + b"\n")
 
 
+class _Version(msgspec.Struct):
+    version: int
+
+
 def load(path: Path) -> BenchResults:
-    return msgspec.json.decode(path.read_bytes(), type=BenchResults)
+    """Read a results.json; ResultsError for another version or a malformed file."""
+    data = path.read_bytes()
+    try:
+        version = msgspec.json.decode(data, type=_Version).version
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ResultsError(f"{path}: not a benchmark results file ({exc})") from None
+    if version != RESULTS_VERSION:
+        raise ResultsError(f"{path}: results version {version}, this dynamo-ppd reads version "
+                           f"{RESULTS_VERSION} (points carry the one outcome summary since 2); rerun "
+                           "the benchmark to get it")
+    try:
+        return msgspec.json.decode(data, type=BenchResults)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ResultsError(f"{path}: {exc}") from None
+
+
+def _ms(value: float | None) -> float:
+    """Milliseconds; 0 where no request succeeded (as the paper's columns)."""
+    return value * 1e3 if value is not None else 0.0
 
 
 def markdown(results: BenchResults, baseline: str = "pd") -> str:
@@ -93,12 +123,14 @@ def markdown(results: BenchResults, baseline: str = "pd") -> str:
 
     for p in sorted(results.points, key=lambda p: (p.workload, p.qps, p.system)):
         b = base.get((p.workload, p.qps))
-        ttft_ratio = ratio(p.turn2p_ttft_ms.p50, b.turn2p_ttft_ms.p50 if b else None)
-        tpot_ratio = ratio(p.tpot_ms.p50, b.tpot_ms.p50 if b else None)
+        o = p.outcome
+        ttft2, tpot = _ms(o.turn2.p50_ttft_s), _ms(o.all_turns.p50_tpot_s)
+        ttft_ratio = ratio(ttft2, _ms(b.outcome.turn2.p50_ttft_s) if b else None)
+        tpot_ratio = ratio(tpot, _ms(b.outcome.all_turns.p50_tpot_s) if b else None)
         lines.append(
-            f"| {p.system} | {p.workload} | {p.qps:g} | {p.turn1_ttft_ms.p50:.1f} ms | "
-            f"{p.turn2p_ttft_ms.p50:.1f} ms{ttft_ratio} | {p.tpot_ms.p50:.2f} ms{tpot_ratio} | "
-            f"{p.turn2p_ttft_ms.p99:.1f} ms | {p.throughput_tok_s:.0f} | {p.success_rate:.0%} | "
+            f"| {p.system} | {p.workload} | {p.qps:g} | {_ms(o.turn1.p50_ttft_s):.1f} ms | "
+            f"{ttft2:.1f} ms{ttft_ratio} | {tpot:.2f} ms{tpot_ratio} | "
+            f"{_ms(o.turn2.p99_ttft_s):.1f} ms | {o.tokens_per_sec:.0f} | {o.success_rate:.0f}% | "
             f"{p.achieved_rps:.2f} | {p.client_lag_ms.p99:.1f} ms |")
     return "\n".join(lines)
 
@@ -118,10 +150,12 @@ def plot(results: BenchResults, out_dir: Path) -> list[Path]:
         fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
         for system in systems:
             mine = sorted((p for p in points if p.system == system), key=lambda p: p.qps)
-            axes[0].plot([p.throughput_tok_s for p in mine], [p.turn2p_ttft_ms.p99 for p in mine], "o-",
+            axes[0].plot([p.outcome.tokens_per_sec for p in mine],
+                         [_ms(p.outcome.turn2.p99_ttft_s) for p in mine], "o-", label=system)
+            axes[1].plot([p.qps for p in mine], [_ms(p.outcome.turn2.p50_ttft_s) for p in mine], "o-",
                          label=system)
-            axes[1].plot([p.qps for p in mine], [p.turn2p_ttft_ms.p50 for p in mine], "o-", label=system)
-            axes[2].plot([p.qps for p in mine], [p.tpot_ms.p50 for p in mine], "o-", label=system)
+            axes[2].plot([p.qps for p in mine], [_ms(p.outcome.all_turns.p50_tpot_s) for p in mine], "o-",
+                         label=system)
         titles = [("throughput (output tok/s)", "turn-2+ TTFT p99 (ms)", "P99 TTFT vs throughput"),
                   ("conversations/s", "turn-2+ TTFT p50 (ms)", "TTFT vs load"),
                   ("conversations/s", "TPOT p50 (ms)", "TPOT vs load")]

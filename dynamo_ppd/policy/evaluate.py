@@ -17,27 +17,30 @@ paper's S on the run's mean follow-up TTFT and mean TPOT; x=0 scores 0 by defini
 from __future__ import annotations
 
 import random
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..engine.profile import load_profile
 from ..engine.scheduler import EngineRequest
 from ..sim import Cluster, Conversation, Turn, simulate
+from ..sim.outcome import CHAT_TIMEOUT_S
 from ..sim.routing import local_router, pd_router
 from .decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from .score import Prediction, score
-from .simulate import TIMEOUT_S, policy_router
+from .simulate import policy_router
 from .table import PpdTable
 
 MARGIN = 0.05  # the stated margin: online never worse than the better static route by more than this
 
 
 @dataclass(frozen=True)
-class Outcome:
+class RouteFigures:
+    """One route's run, scored as the tables are: follow-up TTFT mean with each failed follow-up
+    counted at the timeout, TPOT mean over successful requests (`dynamo_ppd.sim.outcome`)."""
+
     follow_up_ttft_s: float
     tpot_s: float
-    local_share: float
+    local_share: float  # of finished follow-ups
 
 
 def drifted_workload(rate: float, seconds: float, seed: int) -> list[Conversation]:
@@ -84,7 +87,8 @@ def _hot_decode(cluster: Cluster, start_s: float, sequences: int = 64, context: 
     cluster.call_at(start_s, load)
 
 
-def run(table: PpdTable, scenario: str, router: Callable, seconds: float, seed: int) -> Outcome:
+def run(table: PpdTable, scenario: str, router: Callable, seconds: float, seed: int,
+        timeout_s: float = CHAT_TIMEOUT_S) -> RouteFigures:
     profile = load_profile(table.profile)
     bandwidth = profile.transfer.link_bandwidth_bytes_s / 10 if scenario == "slow-link" else None
     cluster = Cluster.from_config(profile, table.config, seed=seed, link_bandwidth_bytes_s=bandwidth)
@@ -92,16 +96,15 @@ def run(table: PpdTable, scenario: str, router: Callable, seconds: float, seed: 
         _hot_decode(cluster, start_s=seconds / 4)
     workload = (prefill_heavy_workload(rate=4.0, seconds=seconds, seed=seed) if scenario == "prefill-drift"
                 else drifted_workload(rate=3.0, seconds=seconds, seed=seed))
-    result = simulate(cluster, workload, router,
-                      until_s=seconds + TIMEOUT_S, on_finish=getattr(router, "on_finish", None))
-    follow = [r for r in result.records if r.turn > 1]
-    ttfts = [min(r.ttft_s, TIMEOUT_S) for r in follow] + [TIMEOUT_S] * result.unfinished
-    tpots = [r.tpot_s for r in result.records if r.tpot_s is not None]
-    local = sum(r.route == "decode_local" for r in follow)
-    return Outcome(statistics.fmean(ttfts), statistics.fmean(tpots), local / max(1, len(follow)))
+    result = simulate(cluster, workload, router, timeout_s=timeout_s,
+                      on_finish=getattr(router, "on_finish", None))
+    outcome = result.outcome()
+    ttft, tpot = outcome.turn2_ttft_mean_with_timeouts_s, outcome.tpot_mean_s
+    return RouteFigures(ttft if ttft is not None else timeout_s, tpot if tpot is not None else timeout_s,
+                        result.local_share())
 
 
-Results = dict[str, dict[str, Outcome]]
+Results = dict[str, dict[str, RouteFigures]]
 
 
 def compare(table: PpdTable, seconds: float = 20.0, seed: int = 0,
@@ -118,12 +121,12 @@ def compare(table: PpdTable, seconds: float = 20.0, seed: int = 0,
             for scenario in scenarios}
 
 
-def weighted(outcome: Outcome, base: Outcome, table: PpdTable) -> float:
+def weighted(outcome: RouteFigures, base: RouteFigures, table: PpdTable) -> float:
     return score(Prediction(outcome.follow_up_ttft_s, outcome.tpot_s),
                  Prediction(base.follow_up_ttft_s, base.tpot_s), table.weights.w_ttft, table.weights.w_tpot)
 
 
-def report(table: PpdTable, results: dict[str, dict[str, Outcome]]) -> str:
+def report(table: PpdTable, results: Results) -> str:
     lines = [f"{'scenario':<15}{'route':<14}{'TTFT ms':>9}{'TPOT ms':>9}{'local':>7}{'S vs x=0':>10}"]
     for scenario, outcomes in results.items():
         base = outcomes["x=0"]

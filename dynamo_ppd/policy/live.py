@@ -19,8 +19,9 @@ import time
 
 import httpx
 
-from ..bench.client import TIMEOUT_S, TokenText, chat_stream
+from ..bench.client import TokenText, chat_stream
 from ..engine.profile import DEFAULT_PROFILE
+from ..sim.outcome import CHAT_TIMEOUT_S as TIMEOUT_S
 from .build import Progress, _order
 from .grid import GridSpec, default_grid
 from .table import TABLE_FORMAT_VERSION, BuildInfo, Cell, Measurement, PpdTable, Weights, decide

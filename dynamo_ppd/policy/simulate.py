@@ -13,15 +13,13 @@ from ..engine.profile import EngineProfile
 from ..sim import Cluster, Conversation, DecodeLocal, ViaPrefill, simulate
 from ..sim import RequestFeatures as SimFeatures
 from ..sim.cluster import ClusterView
+from ..sim.outcome import CHAT_TIMEOUT_S
 from ..sim.routing import least_loaded_decode, least_loaded_prefill, local_router, pd_router
 from ..sim.run import SimResult
 from ..sim.workload import synthetic_workload
 from .decision import Decision, Policy, RequestFeatures, Route, WorkerLoad, moves_to_best
 from .qps import SlidingWindowRate
 from .table import Conditions, Measurement
-
-# A request not answered within this long counts as failed, at this TTFT (as the paper's 30 s).
-TIMEOUT_S = 30.0
 
 
 def prefill_queue_tokens(view: ClusterView, worker: str) -> int:
@@ -108,19 +106,25 @@ class _Recorder:
 
 
 def summarize(result: SimResult, duration_s: float, samples: list[Conditions]) -> Measurement:
-    """Follow-up TTFT (failures at the timeout), TPOT of all requests, reached rate, success."""
-    follow_ups = [r for r in result.records if r.turn > 1]
-    total = len(follow_ups) + result.unfinished
-    ttfts = [min(r.ttft_s, TIMEOUT_S) for r in follow_ups] + [TIMEOUT_S] * result.unfinished
-    ok = sum(1 for r in follow_ups if r.finished_s - r.arrival_s <= TIMEOUT_S)
-    tpots = [r.tpot_s for r in result.records if r.tpot_s is not None]
-    arrived = [r.arrival_s for r in result.records if r.arrival_s < duration_s]
+    """A cell's measurement from the run's outcome (`dynamo_ppd.sim.outcome`, under the timeout
+    the run had): follow-up TTFT = the mean over follow-ups sent with each failed one counted at
+    the timeout; TPOT = the mean over successful requests of both turns; success = the share of
+    all requests sent (both turns) that succeeded, as the paper's per-point success rate;
+    requests = all requests sent. A run where nothing succeeded gets the timeout as its TPOT
+    (not an optimistic 0)."""
+    outcome = result.outcome()
+    worst = result.timeout_s if result.timeout_s is not None else CHAT_TIMEOUT_S
+    ttft = outcome.turn2_ttft_mean_with_timeouts_s
+    tpot = outcome.tpot_mean_s
+    arrived = sum(1 for t in result.turn_results() if t.arrival_s < duration_s)
+
     def mean(values: list[float]) -> float:
         return statistics.fmean(values) if values else 0.0
 
     return Measurement(
-        follow_up_ttft_s=max(mean(ttfts), 1e-6), tpot_s=max(mean(tpots), 1e-6), requests=total,
-        achieved_rps=len(arrived) / duration_s, success_rate=ok / total if total else 1.0,
+        follow_up_ttft_s=max(ttft if ttft is not None else worst, 1e-6),
+        tpot_s=max(tpot if tpot is not None else worst, 1e-6), requests=outcome.total_requests,
+        achieved_rps=arrived / duration_s, success_rate=outcome.success_share,
         conditions=Conditions(prefill_queue_tokens=mean([c.prefill_queue_tokens for c in samples]),
                               decode_batch=mean([c.decode_batch for c in samples]),
                               decode_kv_tokens=mean([c.decode_kv_tokens for c in samples])))
@@ -137,14 +141,16 @@ def cell_workload(context_tokens: int, input_tokens: int, output_tokens: int, qp
 
 def measure_cell(profile: EngineProfile, config: str, context_tokens: int, input_tokens: int,
                  output_tokens: int, qps: float, duration_s: float, seed: int,
-                 link_bandwidth_bytes_s: float | None = None) -> tuple[Measurement, Measurement]:
-    """(x=0, x=1) measurements of one cell on a fresh simulated cluster each."""
+                 link_bandwidth_bytes_s: float | None = None,
+                 timeout_s: float = CHAT_TIMEOUT_S) -> tuple[Measurement, Measurement]:
+    """(x=0, x=1) measurements of one cell on a fresh simulated cluster each; a turn not
+    answered within ``timeout_s`` fails and ends its conversation."""
     out = []
     for router in (pd_router, local_router):
         conversations = cell_workload(context_tokens, input_tokens, output_tokens, qps, duration_s, seed)
         recorder = _Recorder(router)
         cluster = Cluster.from_config(profile, config, seed=seed,
                                       link_bandwidth_bytes_s=link_bandwidth_bytes_s)
-        result = simulate(cluster, conversations, recorder, until_s=duration_s + TIMEOUT_S)
+        result = simulate(cluster, conversations, recorder, timeout_s=timeout_s)
         out.append(summarize(result, duration_s, recorder.samples))
     return out[0], out[1]

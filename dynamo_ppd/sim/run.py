@@ -4,7 +4,11 @@ The driver plays the users and the router: each conversation's first turn arrive
 arrival time, every later turn ``think_time_s`` after the previous one finished (a closed loop
 per conversation). When a turn arrives, its prompt is built from the history the engine really
 generated, the router picks a route from `RequestFeatures` and the `ClusterView`, and the cluster
-runs it. One `RequestRecord` per finished turn.
+runs it. One `RequestRecord` per finished turn; the turns still running when the run ends are
+kept too (`InFlightTurn`), so that the outcome (`dynamo_ppd.sim.outcome`) counts every turn sent.
+
+With a ``timeout_s``, a turn not answered within it fails and its conversation sends no further
+turn, as the paper's client does.
 """
 
 from __future__ import annotations
@@ -14,14 +18,14 @@ import functools
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
-import numpy as np
 
 from ..engine import DEFAULT_PROFILE, ProfileError, load_profile
 from .cluster import Cluster, ClusterRequest
+from .outcome import Outcome, TurnResult, summarize
 from .routing import ROUTER_NAMES, RequestFeatures, Router, RoutingError, ViaPrefill, make_router, route_name
 from .workload import Conversation, ConversationPrompts, synthetic_workload
 
@@ -48,42 +52,43 @@ class RequestRecord(msgspec.Struct, frozen=True):
     transfer_bytes: int
     transfer_s: float
 
-
-class Percentiles(msgspec.Struct, frozen=True):
-    count: int
-    p50: float | None
-    p90: float | None
-    p99: float | None
-    mean: float | None
+    def turn_result(self) -> TurnResult:
+        return TurnResult(self.conversation_id, self.turn, self.arrival_s, self.ttft_s,
+                          self.finished_s - self.arrival_s, self.output_tokens)
 
 
-def percentiles(values: list[float]) -> Percentiles:
-    if not values:
-        return Percentiles(0, None, None, None, None)
-    p50, p90, p99 = (float(v) for v in np.percentile(values, [50, 90, 99]))
-    return Percentiles(len(values), p50, p90, p99, float(np.mean(values)))
+class InFlightTurn(msgspec.Struct, frozen=True):
+    """A turn sent and not finished when the run ended (cut by ``until_s``, or given up on)."""
+
+    conversation_id: str
+    turn: int
+    arrival_s: float
+
+    def turn_result(self) -> TurnResult:
+        return TurnResult(self.conversation_id, self.turn, self.arrival_s, None, None, 0)
 
 
 @dataclass
 class SimResult:
-    records: list[RequestRecord]
+    records: list[RequestRecord]  # finished turns
     simulated_s: float  # the virtual clock at the end
     wall_s: float  # real seconds the run took
-    unfinished: int  # turns routed but not finished when the run stopped (until_s)
+    in_flight: list[InFlightTurn] = field(default_factory=list)  # sent, not finished at the end
+    timeout_s: float | None = None  # the deadline the run gave each turn (None: none)
 
-    def turn1_ttft(self) -> Percentiles:
-        return percentiles([r.ttft_s for r in self.records if r.turn == 1])
+    @property
+    def unfinished(self) -> int:
+        """Turns routed but not finished when the run stopped."""
+        return len(self.in_flight)
 
-    def later_ttft(self) -> Percentiles:
-        """TTFT of turns 2 and later: where PD and decode-local differ."""
-        return percentiles([r.ttft_s for r in self.records if r.turn > 1])
+    def turn_results(self) -> list[TurnResult]:
+        """Every turn sent, finished or not, as the outcome summary takes them."""
+        return [r.turn_result() for r in self.records] + [t.turn_result() for t in self.in_flight]
 
-    def tpot(self) -> Percentiles:
-        return percentiles([r.tpot_s for r in self.records if r.tpot_s is not None])
-
-    def throughput_tok_s(self) -> float:
-        """Output tokens per simulated second over the whole run."""
-        return sum(r.output_tokens for r in self.records) / self.simulated_s if self.simulated_s else 0.0
+    def outcome(self) -> Outcome:
+        """The run's outcome under the timeout it ran with (`dynamo_ppd.sim.outcome`)."""
+        return summarize(self.turn_results(), self.timeout_s,
+                         cut_s=self.simulated_s if self.in_flight else None)
 
     def speed(self) -> float:
         """Simulated seconds per wall second."""
@@ -95,30 +100,41 @@ class SimResult:
             counts[r.route] = counts.get(r.route, 0) + 1
         return counts
 
+    def local_share(self) -> float:
+        """Share of finished follow-ups that ran decode-local."""
+        follow = [r for r in self.records if r.turn > 1]
+        return sum(r.route == "decode_local" for r in follow) / max(1, len(follow))
+
     def summary(self) -> dict[str, object]:
-        return {"requests": len(self.records), "unfinished": self.unfinished,
-                "routes": self.route_counts(), "turn1_ttft_s": self.turn1_ttft(),
-                "later_ttft_s": self.later_ttft(), "tpot_s": self.tpot(),
-                "throughput_tok_s": self.throughput_tok_s(), "simulated_s": self.simulated_s,
+        return {"outcome": self.outcome(), "finished": len(self.records), "in_flight_at_end": self.unfinished,
+                "routes": self.route_counts(), "simulated_s": self.simulated_s,
                 "wall_s": self.wall_s, "simulated_s_per_wall_s": self.speed()}
 
 
 class _Conversation:
-    """A conversation in progress: its prompts and the turn it is on."""
+    """A conversation in progress: its prompts, the turn it is on, the turn it has in flight."""
 
     def __init__(self, conversation: Conversation):
         self.conversation = conversation
         self.prompts = ConversationPrompts(conversation)
         self.next_turn = 0  # index into conversation.turns
+        self.in_flight: InFlightTurn | None = None
+        self.over = False  # every turn answered, or one failed (no further turn is sent)
+
+
+# How often (simulated seconds) a run with a timeout checks whether every conversation is over.
+_CHECK_EVERY_S = 1.0
 
 
 class _Driver:
     def __init__(self, cluster: Cluster, router: Router,
-                 on_finish: Callable[[RequestRecord], None] | None = None):
+                 on_finish: Callable[[RequestRecord], None] | None = None, timeout_s: float | None = None):
         self.cluster = cluster
         self.router = router
         self.on_finish = on_finish
+        self.timeout_s = timeout_s
         self.records: list[RequestRecord] = []
+        self.conversations: list[_Conversation] = []
 
     def start_turn(self, conv: _Conversation) -> None:
         cluster, view = self.cluster, self.cluster.view
@@ -137,6 +153,7 @@ class _Driver:
             f"{conversation.conversation_id}/{conv.next_turn}", conversation.conversation_id, prompt,
             cluster.prompt_hashes(prompt), turn.max_tokens, cluster.now, route,
             functools.partial(self.finish_turn, conv, features)))
+        conv.in_flight = InFlightTurn(conversation.conversation_id, conv.next_turn, cluster.now)
 
     def finish_turn(self, conv: _Conversation, features: RequestFeatures, request: ClusterRequest) -> None:
         serving = request.serving
@@ -144,6 +161,7 @@ class _Driver:
         outputs = len(serving.output)
         reporter = request.prefill if isinstance(request.route, ViaPrefill) else serving
         assert reporter is not None
+        conv.in_flight = None
         self.records.append(RequestRecord(
             conversation_id=features.conversation_id, turn=features.turn, route=route_name(request.route),
             prefill_worker=request.prefill_worker, decode_worker=request.serving_worker,
@@ -155,28 +173,60 @@ class _Driver:
             output_tokens=outputs, transfer_bytes=request.transfer_bytes, transfer_s=request.transfer_s))
         if self.on_finish:
             self.on_finish(self.records[-1])
+        if self.timeout_s is not None and serving.finished_at - request.arrival_s > self.timeout_s:
+            conv.over = True  # the user gave up on this turn: no further turn
+            return
         conv.prompts.record_output(serving.output)
         turns = conv.conversation.turns
         if conv.next_turn < len(turns):
             self.cluster.call_at(self.cluster.now + turns[conv.next_turn].think_time_s, self.start_turn, conv)
+        else:
+            conv.over = True
+
+    def settled(self, now: float) -> bool:
+        """Every conversation is over or has given up on its turn in flight: nothing that happens
+        from now on changes the outcome."""
+        timeout = self.timeout_s
+        return all(c.over or (timeout is not None and c.in_flight is not None
+                              and now > c.in_flight.arrival_s + timeout) for c in self.conversations)
 
 
 def simulate(cluster: Cluster, conversations: list[Conversation], router: Router,
              until_s: float | None = None,
-             on_finish: Callable[[RequestRecord], None] | None = None) -> SimResult:
+             on_finish: Callable[[RequestRecord], None] | None = None,
+             timeout_s: float | None = None) -> SimResult:
     """Run ``conversations`` on ``cluster`` (fresh: its clock at 0) with ``router`` until every
-    turn is done, or until the virtual clock passes ``until_s``. Deterministic for a given
+    conversation is over, or until the virtual clock passes ``until_s``. Deterministic for a given
     cluster seed and workload; only ``wall_s`` depends on the machine. ``on_finish`` sees each
-    finished turn's record (a router that learns from outcomes, as the live one does)."""
-    driver = _Driver(cluster, router, on_finish)
+    finished turn's record (a router that learns from outcomes, as the live one does).
+
+    ``timeout_s``: a turn whose answer is not complete within it of the turn's arrival fails,
+    and its conversation sends no further turn (the paper's client; None: never give up). The
+    engine is not told: it goes on computing the turn to its end. vLLM would abort a request
+    whose HTTP client disconnected, freeing its batch slot and KV earlier; we keep the
+    simpler, pessimistic model (the late turn keeps loading its worker), which only matters
+    once a run is already timing out. The run stops as soon as every conversation is over or has
+    given up (checked every simulated second), so such leftovers do not prolong it."""
+    if timeout_s is not None and timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, not {timeout_s}")
+    driver = _Driver(cluster, router, on_finish, timeout_s)
     for conversation in sorted(conversations, key=lambda c: (c.arrival_s, c.conversation_id)):
         if conversation.turns:
-            cluster.call_at(conversation.arrival_s, driver.start_turn, _Conversation(conversation))
+            conv = _Conversation(conversation)
+            driver.conversations.append(conv)
+            cluster.call_at(conversation.arrival_s, driver.start_turn, conv)
     started = time.perf_counter()
-    end = cluster.run(until_s)
+    end = cluster.now
+    while True:
+        stop = end + _CHECK_EVERY_S if until_s is None else min(end + _CHECK_EVERY_S, until_s)
+        end = cluster.run(stop)
+        if end < stop or (until_s is not None and end >= until_s) or driver.settled(end):
+            break  # no events left, the clock reached until_s, or the outcome is decided
     wall = time.perf_counter() - started
     records = sorted(driver.records, key=lambda r: (r.arrival_s, r.conversation_id, r.turn))
-    return SimResult(records, end, wall, cluster.pending_requests())
+    in_flight = sorted((c.in_flight for c in driver.conversations if c.in_flight is not None),
+                       key=lambda t: (t.arrival_s, t.conversation_id, t.turn))
+    return SimResult(records, end, wall, in_flight, timeout_s)
 
 
 # -- CLI: dynamo-ppd sim run ---------------------------------------------------------------------
@@ -189,6 +239,16 @@ def _token_pair(text: str) -> tuple[int, int]:
     if n_in < 1 or n_out < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: token counts must be at least 1")
     return n_in, n_out
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -217,6 +277,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-bandwidth", type=float, metavar="GB/S",
                         help="KV transfer bandwidth of each prefill worker's link in GB/s (1e9 "
                         "bytes/s); default: the profile's")
+    parser.add_argument("--timeout", type=_positive, metavar="SECONDS",
+                        help="a turn not answered within this many seconds of being sent fails and its "
+                        "conversation sends no further turn (the paper's protocol: 120, the chat "
+                        "workloads: 30); default: never give up")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals, prompts, tokens and routing")
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="also write the settings, summary and every request record to PATH")
@@ -226,20 +290,30 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.1f}"
 
 
-def format_summary(result: SimResult) -> str:
-    """A small table of the summary, in milliseconds."""
-    lines = [f"{'metric':<18}{'n':>6}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}"]
-    for name, stats in (("turn-1 TTFT ms", result.turn1_ttft()), ("turn-2+ TTFT ms", result.later_ttft()),
-                        ("TPOT ms", result.tpot())):
-        lines.append(f"{name:<18}{stats.count:>6}{_ms(stats.p50):>10}{_ms(stats.p90):>10}"
-                     f"{_ms(stats.p99):>10}{_ms(stats.mean):>10}")
-    routes = ", ".join(f"{name} {count}" for name, count in sorted(result.route_counts().items()))
-    unfinished = f"; {result.unfinished} unfinished" if result.unfinished else ""
-    lines.append(f"routes: {routes or 'none'}{unfinished}")
-    lines.append(f"throughput {result.throughput_tok_s():.0f} output tok/s; simulated "
-                 f"{result.simulated_s:.2f} s in {result.wall_s:.2f} s wall "
-                 f"({result.speed():.1f} simulated s per wall s)")
+def format_outcome(outcome: Outcome) -> str:
+    """The outcome as a small table in milliseconds (latencies over successful requests)."""
+    lines = [f"{'turns':<10}{'ok/sent':>10}{'TTFT avg':>10}{'p50':>9}{'p99':>9}{'TPOT avg':>10}"
+             f"{'p50':>8}{'p99':>8}{'e2e avg':>10}"]
+    for name, g in (("turn 1", outcome.turn1), ("turns 2+", outcome.turn2), ("all", outcome.all_turns)):
+        lines.append(f"{name:<10}{f'{g.count}/{g.sent}':>10}{_ms(g.avg_ttft_s):>10}{_ms(g.p50_ttft_s):>9}"
+                     f"{_ms(g.p99_ttft_s):>9}{_ms(g.avg_tpot_s):>10}{_ms(g.p50_tpot_s):>8}"
+                     f"{_ms(g.p99_tpot_s):>8}{_ms(g.avg_e2e_s):>10}")
+    deadline = f"{outcome.timeout_s:g} s timeout" if outcome.timeout_s is not None else "no timeout"
+    errors = ", ".join(f"{label} {n}" for label, n in outcome.errors.items())
+    lines.append(f"success {outcome.success_rate:.1f}% of {outcome.total_requests} requests ({deadline}); "
+                 f"{outcome.failed} failed{f' ({errors})' if errors else ''}")
+    lines.append(f"turn-2+ TTFT mean with timeouts {_ms(outcome.turn2_ttft_mean_with_timeouts_s)} ms; "
+                 f"{outcome.tokens_per_sec:.0f} output tok/s over {outcome.duration_s:.2f} s")
     return "\n".join(lines)
+
+
+def format_summary(result: SimResult) -> str:
+    """The run's outcome, its routes and how fast it ran."""
+    routes = ", ".join(f"{name} {count}" for name, count in sorted(result.route_counts().items()))
+    in_flight = f"; {result.unfinished} in flight at the end" if result.unfinished else ""
+    return "\n".join([format_outcome(result.outcome()), f"routes: {routes or 'none'}{in_flight}",
+                      f"simulated {result.simulated_s:.2f} s in {result.wall_s:.2f} s wall "
+                      f"({result.speed():.1f} simulated s per wall s)"])
 
 
 def main(args: argparse.Namespace) -> int:
@@ -253,7 +327,7 @@ def main(args: argparse.Namespace) -> int:
         router = make_router(args.router, args.local_fraction, args.seed)
         conversations = synthetic_workload(args.rate, args.duration, args.first_turn, args.follow_up,
                                            args.turns, args.think_time, args.seed)
-        result = simulate(cluster, conversations, router)
+        result = simulate(cluster, conversations, router, timeout_s=args.timeout)
     except (ProfileError, RoutingError, ValueError) as exc:
         print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
         return 2
@@ -263,7 +337,8 @@ def main(args: argparse.Namespace) -> int:
     if args.json is not None:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                     if not callable(v)}
-        document = {"settings": settings, "summary": result.summary(), "records": result.records}
+        document = {"settings": settings, "summary": result.summary(), "records": result.records,
+                    "in_flight": result.in_flight}
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(document)))
         print(f"wrote {args.json}")
     return 0
