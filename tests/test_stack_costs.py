@@ -116,3 +116,18 @@ def test_paper_proxy_places_conversations_as_the_authors_proxy():
     features = RequestFeatures("c007", 1, 10, 10, 4, None, 0, 0.0, [])
     assert router(features, cluster.view) == again(features, cluster.view)
     assert isinstance(router(features, cluster.view), (Aggregated, ViaPrefill, DecodeLocal))
+
+
+def test_a_history_sent_as_text_is_prefilled_again_past_the_previous_prompt():
+    def second_turn(history_as_text: bool):
+        conversation = Conversation("c", 0.0, [Turn(300, 200), Turn(40, 4)], history_as_text=history_as_text)
+        records = simulate(Cluster.from_config(PROFILE, "1R"), [conversation], agg_router).records
+        return next(r for r in records if r.turn == 2)
+
+    tokens, text = second_turn(False), second_turn(True)
+    assert tokens.prompt_tokens == text.prompt_tokens  # same sizes, other ids for the output
+    block = PROFILE.engine.block_size
+    first_prompt = 1 + 4 + 300
+    assert text.cached_tokens == first_prompt // block * block  # only turn 1's prompt matches
+    assert tokens.cached_tokens > first_prompt + 150  # the output's blocks match as well
+    assert text.ttft_s > tokens.ttft_s

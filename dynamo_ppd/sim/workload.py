@@ -42,6 +42,12 @@ class Conversation(msgspec.Struct, frozen=True):
     arrival_s: float  # when the first turn arrives
     turns: list[Turn]
     seed: int = 0  # with the id, seeds the user tokens: same workload, same prompts
+    # False (a chat template over token ids, as Dynamo's frontend renders messages): the next
+    # prompt repeats the previous output token for token, so its KV blocks match. True (the
+    # paper authors' client: `/v1/completions` with the history concatenated as text): the
+    # output comes back as text and is tokenized again, which does not reproduce the sampled
+    # ids, so no cache can match past the previous prompt; the output is prefilled again.
+    history_as_text: bool = False
 
 
 class ConversationPrompts:
@@ -69,8 +75,12 @@ class ConversationPrompts:
         return prompt, new_tokens
 
     def record_output(self, output_tokens: list[int]) -> None:
-        """The tokens the engine generated for the turn just built; the next prompt repeats them."""
-        self._history = self._history + list(output_tokens)
+        """The tokens the engine generated for the turn just built; the next prompt repeats them
+        (as other ids of the same count if the history travels as text)."""
+        if self.conversation.history_as_text:
+            self._history = self._history + self._user_tokens(len(output_tokens))
+        else:
+            self._history = self._history + list(output_tokens)
 
 
 def synthetic_workload(rate_conv_per_s: float, duration_s: float,
