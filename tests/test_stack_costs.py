@@ -131,3 +131,23 @@ def test_a_history_sent_as_text_is_prefilled_again_past_the_previous_prompt():
     assert text.cached_tokens == first_prompt // block * block  # only turn 1's prompt matches
     assert tokens.cached_tokens > first_prompt + 150  # the output's blocks match as well
     assert text.ttft_s > tokens.ttft_s
+
+
+def test_the_client_pool_queues_conversations_and_their_wait_counts_in_ttft():
+    # Four conversations at once, two connections: the last two start when the first two end.
+    conversations = [Conversation(f"c{i}", 0.0, [Turn(100, 50), Turn(20, 50)]) for i in range(4)]
+    pooled = simulate(Cluster.from_config(PROFILE, "2R"), conversations, agg_router, max_connections=2)
+    free = simulate(Cluster.from_config(PROFILE, "2R"), conversations, agg_router)
+    ended = {c: max(r.finished_s for r in pooled.records if r.conversation_id == c) for c in ("c0", "c1")}
+    later = [r for r in pooled.records if r.conversation_id in ("c2", "c3") and r.turn == 1]
+    assert len(later) == 2
+    for record in later:
+        assert record.arrival_s == 0.0  # sent at arrival: the wait is the client's, inside TTFT
+        assert record.ttft_s > min(ended.values())
+    assert max(r.ttft_s for r in pooled.records if r.turn == 1) > 2 * max(
+        r.ttft_s for r in free.records if r.turn == 1)
+    # A deadline that passes while waiting for a connection fails the turn; nothing is lost.
+    timed = simulate(Cluster.from_config(PROFILE, "1R"), conversations, agg_router, max_connections=1,
+                     timeout_s=0.5)
+    outcome = timed.outcome()
+    assert outcome.total_requests >= 4 and outcome.failed >= 3

@@ -14,6 +14,7 @@ turn, as the paper's client does.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import sys
 import time
@@ -128,16 +129,56 @@ _CHECK_EVERY_S = 1.0
 
 class _Driver:
     def __init__(self, cluster: Cluster, router: Router,
-                 on_finish: Callable[[RequestRecord], None] | None = None, timeout_s: float | None = None):
+                 on_finish: Callable[[RequestRecord], None] | None = None, timeout_s: float | None = None,
+                 max_connections: int | None = None):
         self.cluster = cluster
         self.router = router
         self.on_finish = on_finish
         self.timeout_s = timeout_s
         self.records: list[RequestRecord] = []
         self.conversations: list[_Conversation] = []
+        # The client's connection pool: conversations holding a connection, and those waiting.
+        self.max_connections = max_connections
+        self.connected: set[_Conversation] = set()
+        self.waiting: collections.deque[_Conversation] = collections.deque()
+
+    def arrive(self, conv: _Conversation) -> None:
+        """A conversation's first turn is sent: it takes a connection, or waits for one (the
+        wait counts in its TTFT and its timeout, as the client's clock started at the send)."""
+        if self.max_connections is None or len(self.connected) < self.max_connections:
+            self.connected.add(conv)
+            self.start_turn(conv)
+            return
+        self.waiting.append(conv)
+        conversation = conv.conversation
+        # Sent already, as far as the client is concerned: it fails if its deadline passes first.
+        conv.in_flight = InFlightTurn(conversation.conversation_id, 1, conversation.arrival_s)
+        if self.timeout_s is not None:
+            self.cluster.call_at(conversation.arrival_s + self.timeout_s, self.give_up, conv, 1)
+
+    def end(self, conv: _Conversation) -> None:
+        """The conversation is over (answered, or given up): its connection goes to the
+        conversation that has waited longest."""
+        conv.over = True
+        if conv in self.connected:
+            self.connected.discard(conv)
+            # Only a pool with a limit ever has conversations waiting.
+            while self.waiting and len(self.connected) < (self.max_connections or 0):
+                waiting = self.waiting.popleft()
+                if not waiting.over:
+                    self.connected.add(waiting)
+                    self.start_turn(waiting)
+
+    def give_up(self, conv: _Conversation, turn: int) -> None:
+        """The turn's deadline passed: if it is still unanswered the client drops it (and its
+        connection) and sends no further turn."""
+        if not conv.over and conv.in_flight is not None and conv.in_flight.turn == turn:
+            self.end(conv)
 
     def start_turn(self, conv: _Conversation) -> None:
         cluster, view = self.cluster, self.cluster.view
+        # A first turn that waited for a connection was sent at its arrival: TTFT counts from it.
+        sent_at = conv.conversation.arrival_s if conv.next_turn == 0 else cluster.now
         conversation = conv.conversation
         turn = conversation.turns[conv.next_turn]
         conv.next_turn += 1
@@ -151,9 +192,11 @@ class _Driver:
         route = self.router(features, view)
         cluster.dispatch(ClusterRequest(
             f"{conversation.conversation_id}/{conv.next_turn}", conversation.conversation_id, prompt,
-            cluster.prompt_hashes(prompt), turn.max_tokens, cluster.now, route,
+            cluster.prompt_hashes(prompt), turn.max_tokens, sent_at, route,
             functools.partial(self.finish_turn, conv, features)))
-        conv.in_flight = InFlightTurn(conversation.conversation_id, conv.next_turn, cluster.now)
+        conv.in_flight = InFlightTurn(conversation.conversation_id, conv.next_turn, sent_at)
+        if self.timeout_s is not None:
+            cluster.call_at(sent_at + self.timeout_s, self.give_up, conv, conv.next_turn)
 
     def finish_turn(self, conv: _Conversation, features: RequestFeatures, request: ClusterRequest) -> None:
         serving = request.serving
@@ -174,14 +217,14 @@ class _Driver:
         if self.on_finish:
             self.on_finish(self.records[-1])
         if self.timeout_s is not None and serving.finished_at - request.arrival_s > self.timeout_s:
-            conv.over = True  # the user gave up on this turn: no further turn
+            self.end(conv)  # the user gave up on this turn: no further turn
             return
         conv.prompts.record_output(serving.output)
         turns = conv.conversation.turns
         if conv.next_turn < len(turns):
             self.cluster.call_at(self.cluster.now + turns[conv.next_turn].think_time_s, self.start_turn, conv)
         else:
-            conv.over = True
+            self.end(conv)
 
     def settled(self, now: float) -> bool:
         """Every conversation is over or has given up on its turn in flight: nothing that happens
@@ -194,7 +237,7 @@ class _Driver:
 def simulate(cluster: Cluster, conversations: list[Conversation], router: Router,
              until_s: float | None = None,
              on_finish: Callable[[RequestRecord], None] | None = None,
-             timeout_s: float | None = None) -> SimResult:
+             timeout_s: float | None = None, max_connections: int | None = None) -> SimResult:
     """Run ``conversations`` on ``cluster`` (fresh: its clock at 0) with ``router`` until every
     conversation is over, or until the virtual clock passes ``until_s``. Deterministic for a given
     cluster seed and workload; only ``wall_s`` depends on the machine. ``on_finish`` sees each
@@ -206,15 +249,21 @@ def simulate(cluster: Cluster, conversations: list[Conversation], router: Router
     whose HTTP client disconnected, freeing its batch slot and KV earlier; we keep the
     simpler, pessimistic model (the late turn keeps loading its worker), which only matters
     once a run is already timing out. The run stops as soon as every conversation is over or has
-    given up (checked every simulated second), so such leftovers do not prolong it."""
+    given up (checked every simulated second), so such leftovers do not prolong it.
+
+    ``max_connections``: the client's connection pool (the paper's client: 50). A conversation
+    holds one connection from its first turn to its end; a conversation arriving while all are
+    taken waits for one, and its first turn's TTFT and deadline count from its arrival."""
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, not {timeout_s}")
-    driver = _Driver(cluster, router, on_finish, timeout_s)
+    if max_connections is not None and max_connections < 1:
+        raise ValueError(f"max_connections must be at least 1, not {max_connections}")
+    driver = _Driver(cluster, router, on_finish, timeout_s, max_connections)
     for conversation in sorted(conversations, key=lambda c: (c.arrival_s, c.conversation_id)):
         if conversation.turns:
             conv = _Conversation(conversation)
             driver.conversations.append(conv)
-            cluster.call_at(conversation.arrival_s, driver.start_turn, conv)
+            cluster.call_at(conversation.arrival_s, driver.arrive, conv)
     started = time.perf_counter()
     end = cluster.now
     while True:
