@@ -34,9 +34,12 @@ bench *args:
 model-init *args:
     uv run dynamo-ppd model init {{args}}
 
-# Interference micro-benchmark (paper Fig. 2/7/8) on the engine model: table, docs/interference.{json,png}.
+# Interference micro-benchmark (paper Fig. 2/7/8) on the engine model, both protocols: the paper's
+# (paper-stack profile, beside the authors' H100 measurements) -> docs/interference-paper.{json,png};
+# the closed loop (default profile) -> docs/interference.{json,png}.
 interference *args:
-    uv run dynamo-ppd sim interference --json docs/interference.json --png docs/interference.png {{args}}
+    uv run dynamo-ppd sim interference --protocol paper --profile h100-llama3.1-8b-vllm-paper --json docs/interference-paper.json --png docs/interference-paper.png {{args}}
+    uv run dynamo-ppd sim interference --protocol closed-loop --json docs/interference.json --png docs/interference.png {{args}}
 
 # Simulate a multi-turn workload on a virtual-clock cluster (see `dynamo-ppd sim run --help`).
 sim *args:
