@@ -3,13 +3,16 @@
 Dynamo's frontend (and our router) copy the prefill worker's ``disaggregated_params`` verbatim
 into ``prefill_result.disaggregated_params`` of the decode request. TensorRT-LLM puts its
 ``DisaggregatedParams`` there (``request_type``, ``first_gen_tokens``, ``ctx_request_id``,
-``opaque_state``, ...); we keep those field names and put our transfer handle, a `TransferHandle`,
-base64-encoded msgpack, in ``opaque_state`` where TensorRT-LLM keeps its cache-transceiver state.
+``opaque_state``, ``disagg_request_id``, ...); we keep those field names and their types (the two
+ids are ints: TensorRT-LLM's executor request ids, and dynamo.trtllm 1.6.1's prefill handler always
+sets ``disagg_request_id``), and put our transfer handle, a `TransferHandle`, base64-encoded
+msgpack, in ``opaque_state`` where TensorRT-LLM keeps its cache-transceiver state.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 from typing import Any
 
 import msgspec
@@ -37,12 +40,19 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(TransferHandle)
 
 
+def numeric_request_id(transfer_id: str) -> int:
+    """A positive 63-bit int naming the transfer, where TensorRT-LLM has an int request id."""
+    return int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=8).digest(), "big") >> 1
+
+
 def pack_params(handle: TransferHandle, first_token: int) -> dict[str, Any]:
+    request_id = numeric_request_id(handle.transfer_id)
     return {
         "request_type": "context_only",
         "first_gen_tokens": [first_token],
-        "ctx_request_id": handle.transfer_id,
+        "ctx_request_id": request_id,
         "opaque_state": base64.b64encode(_encoder.encode(handle)).decode(),
+        "disagg_request_id": request_id,  # both legs' request id in TensorRT-LLM
     }
 
 

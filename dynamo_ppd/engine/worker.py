@@ -4,6 +4,8 @@ request dicts into engine requests, streams the outputs, publishes KV events and
 Request contract (dynamo.trtllm 1.6.1, request_handlers/handler_base.py):
 - prefill mode: ``context_only``; max_tokens forced to 1; the final chunk carries
   ``disaggregated_params`` (see `handoff`) and ``completion_usage``.
+- every context attempt (not a generation-only one) ends with
+  ``engine_data.kv_cache_hit = {prompt_tokens, reused_tokens}``.
 - decode mode with ``prefill_result.disaggregated_params``: ``generation_only``; reports the
   prefill's ``prompt_tokens_details``.
 - decode mode with the ``x-bypass-remote-prefill`` annotation: ``context_and_generation`` here.
@@ -102,6 +104,11 @@ class SimulatedTrtllmHandler:
                         "total_tokens": out.prompt_tokens + out.completion_tokens,
                         "prompt_tokens_details": details,
                     }
+                    if engine_request.kind is not RequestKind.GENERATION_ONLY:
+                        # dynamo.trtllm 1.6.1 (handler_base.py, _kv_cache_hit_engine_data): a
+                        # context attempt's cache reuse, read by Dynamo's KV router.
+                        chunk["engine_data"] = {"kv_cache_hit": {"prompt_tokens": out.prompt_tokens,
+                                                                 "reused_tokens": out.cached_tokens}}
                     if self.config.mode == "prefill":
                         chunk["disaggregated_params"] = self._start_transfer(engine_request, out.at,
                                                                              out.token_ids[0])

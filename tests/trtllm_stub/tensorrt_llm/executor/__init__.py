@@ -1,0 +1,1 @@
+from .result import CompletionOutput, GenerationResult  # noqa: F401
