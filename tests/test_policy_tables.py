@@ -10,6 +10,7 @@ import json
 import msgspec
 import pytest
 
+from dynamo_ppd.bench.workloads import PAPER_QPS, PAPER_T1, PAPER_T2, paper_arrivals
 from dynamo_ppd.engine import load_profile
 from dynamo_ppd.policy.build import build_sim_table
 from dynamo_ppd.policy.decision import (
@@ -25,6 +26,7 @@ from dynamo_ppd.policy.decision import (
 from dynamo_ppd.policy.grid import ContextClass, GridSpec, WorkloadClass, default_grid
 from dynamo_ppd.policy.qps import SlidingWindowRate
 from dynamo_ppd.policy.score import Prediction
+from dynamo_ppd.policy.simulate import cell_workload
 from dynamo_ppd.policy.table import (
     TableError,
     Weights,
@@ -34,10 +36,12 @@ from dynamo_ppd.policy.table import (
     save_table,
     validate,
 )
+from dynamo_ppd.sim import workload as sim
 
 TINY = GridSpec(
-    context_classes=[ContextClass("small", 512, 384), ContextClass("large", None, 2048)],
-    workload_classes=[WorkloadClass("in32-out256", 32, 256), WorkloadClass("in1024-out32", 1024, 32)],
+    context_classes=[ContextClass("small", 512, 320, (128, 128)),
+                     ContextClass("large", None, 2112, (1024, 1024))],
+    workload_classes=[WorkloadClass("short_gen", 32, 256), WorkloadClass("huge_paste", 1024, 32)],
     qps_levels=[2, 8])
 
 
@@ -51,13 +55,41 @@ def test_grid_lookup_at_the_edges():
     grid = default_grid()
     assert [grid.context_class(n).name for n in (1, 512, 513, 4096, 4097, 10**6)] == \
         ["small", "small", "large", "large", "huge", "huge"]
-    assert grid.workload_class(1, 1).name == "in32-out32"
-    assert grid.workload_class(10_000, 10_000).name == "in1024-out512"
-    assert grid.workload_class(900, 40).name == "in1024-out32"
+    assert grid.workload_class(1, 1).name == "tiny"
+    assert grid.workload_class(10_000, 10_000).name == "very_long_gen"
+    assert grid.workload_class(900, 40).name == "huge_paste"
+    assert grid.workload_class(30, 300).name == "short_gen"
     assert [grid.qps_level(q) for q in (0, 0.7, 5, 14, 100)] == [0.5, 0.5, 4, 12, 20]
     labels = {w.name: grid.ratio_class(w) for w in grid.workload_classes}
-    assert labels["in32-out512"] == "decode-heavy" and labels["in1024-out32"] == "prefill-heavy"
-    assert labels["in256-out256"] == "balanced"
+    assert labels["long_gen"] == "decode-heavy" and labels["huge_paste"] == "prefill-heavy"
+    assert labels["mid_bal"] == "balanced"
+
+
+def test_default_grid_is_the_papers_workloads():
+    grid = default_grid()
+    sizes = {w.name: (w.input_tokens, w.output_tokens) for w in grid.workload_classes}
+    assert sizes == PAPER_T2
+    assert grid.qps_levels == list(PAPER_QPS)
+    small, large, huge = grid.context_classes
+    assert small.first_turn == PAPER_T1["small"] and large.first_turn == PAPER_T1["large"]
+    assert huge.first_turn is None and huge.representative_tokens == 8192  # no paper workload there
+    assert small.representative_tokens == 128 + 128 + 64 and large.representative_tokens == 1024 + 1024 + 64
+
+
+def test_cells_are_measured_with_the_papers_protocol():
+    grid = default_grid()
+    small = grid.context_classes[0]
+    convs = cell_workload(small, WorkloadClass("huge_paste", 1024, 32), qps=8.0, duration_s=10.0, seed=3)
+    # Request rate 8 = 4 conversations/s of 2 turns, arriving as the authors' process draws them.
+    assert [c.arrival_s for c in convs] == paper_arrivals(4.0, 3)
+    assert all(c.turns == [sim.Turn(128, 128), sim.Turn(1024, 32)] for c in convs)
+    huge = cell_workload(grid.context_classes[2], WorkloadClass("tiny", 16, 32), qps=8.0, duration_s=10.0,
+                         seed=3)
+    turns = huge[0].turns  # turn 2's prompt is the representative 8192 tokens (with the template's)
+    assert turns[0].user_tokens + turns[0].max_tokens + turns[1].user_tokens == 8192 - 2 * sim.TEMPLATE_TOKENS
+    # A draw with no conversation in the window is redrawn (a cell must have traffic).
+    assert all(cell_workload(small, WorkloadClass("tiny", 16, 32), qps=0.5, duration_s=10.0, seed=s)
+               for s in range(40))
 
 
 def test_rate_is_a_sliding_window_not_an_average_since_start():

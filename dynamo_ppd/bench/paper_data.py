@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import io
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -146,6 +146,18 @@ def _row_to_point(row: dict[str, str], where: str) -> PaperPoint:
     if point.failed > point.total_requests:
         raise PaperDataError(f"{where}: failed: {point.failed} > total_requests {point.total_requests}")
     return point
+
+
+def point_from_columns(config: str, workload: str, qps: float,
+                       columns: Mapping[str, float | int | str]) -> PaperPoint:
+    """A point from one outcome's columns (`dynamo_ppd.sim.outcome.paper_columns`), so that a
+    simulated point and a measured one are the same struct. ``config`` is not checked against
+    the paper's names (a simulated system may have none, e.g. our PPD policy)."""
+    nested: dict[str, object] = {"config": config, "workload": workload, "qps": qps}
+    nested.update({k: v for k, v in columns.items() if not k.startswith("turn")})
+    for n in (1, 2):
+        nested[f"turn{n}"] = {f: columns[f"turn{n}_{f}"] for f in _TURN_FIELDS}
+    return msgspec.convert(nested, PaperPoint)
 
 
 def parse_points(text: str, source: str = "<points>") -> list[PaperPoint]:

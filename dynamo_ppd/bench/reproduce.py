@@ -1,60 +1,124 @@
-"""`just reproduce`: the paper's main results on the simulated H100 cluster (virtual clock).
+"""`just reproduce`: the paper's Table 1, Table 3, Fig. 5 and Fig. 6 on the simulated cluster, on
+the paper's own workloads and protocol, each beside what the paper's measurements say
+(`data/paper_comprehensive.csv`, real H100s) where they have it.
 
-- Table 1: x=1 vs x=0 follow-up TTFT by P:D configuration and load (WildChat-like).
-- Table 3: per-metric wins of PPD, x=0 and x=1 over 3 configurations x 9 loads (WildChat-like).
-- Fig. 5: link bandwidth sweep, 1P3D, 1 conversation/s (WildChat-like): PD drifts, PPD stays.
-- Fig. 6: the w_tpot frontier on a prefill-heavy workload, 1P3D: share decode-local, TTFT, TPOT.
+- Table 1: turn-2 mean TTFT, x=0 -> x=1, per configuration and load, over the paper's workloads.
+- Table 3: wins per metric (turn-2 TTFT, turn-2 TPOT, success) of x=0, x=1 and our PPD policy.
+- Fig. 5: the KV link bandwidth sweep (1P3D): PD's follow-up TTFT drifts, PPD's stays.
+- Fig. 6: the w_tpot frontier (1P3D): the decode-local share the x=0/x=1 points imply at each
+  weight (the paper's score), and our policy's share, TTFT and TPOT.
 
-Writes ``docs/results.md`` and PNGs beside it. Loads are conversation arrival rates; the
-WildChat-like conversations have ~2.5 turns, so the request rate is about 2.5x.
+Every point is one paper point (`workloads.paper_workload`: the authors' arrivals over 10 s,
+2 turns, 120 s timeout, cut at 600 s), summarized by the one outcome summary
+(`dynamo_ppd.sim.outcome.paper_columns`) into the measured data's columns, so both sides are
+read by the same code (`paper_data`). Points run in parallel processes. Writes
+``docs/results.md`` and PNGs beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from ..engine.profile import load_profile
+import msgspec
+
+from ..engine.profile import EngineProfile, ProfileError, load_profile
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
 from ..policy.table import Weights, bundled_table, load_table, reweight
 from ..sim import Cluster, simulate
-from ..sim.outcome import CHAT_TIMEOUT_S
+from ..sim.outcome import paper_columns
 from ..sim.routing import local_router, pd_router
-from .manifest import to_sim
-from .workloads import make_workload
+from . import paper_data as pdata
+from .workloads import PAPER_KILL_AFTER_S, PAPER_REQUEST_TIMEOUT_S, PAPER_WORKLOADS, paper_workload
 
+PAPER_PROFILE = "h100-llama3.1-8b-vllm-paper"
 CONFIGS = ("1P3D", "2P2D", "3P1D")
+# The measured x=0 / x=1 twins of our configurations (2P_2D and its twins are kept back).
+MEASURED = {"1P3D": ("1P_3D", "1P_3pD"), "3P1D": ("3P_1D", "3P_1pD")}
+DEFAULT_RATES = (1.0, 4.0, 10.0)
+FIG5_WORKLOAD, FIG5_RATE = "large_small_bal", 1.0
+FIG5_FACTORS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)
+FIG6_WORKLOADS = ("small_big_paste", "large_mid_paste", "large_huge_paste")  # prefill-heavy
+FIG6_RATE = 4.0
+FIG6_WEIGHTS = (0.5, 1.0, 2.0, 3.0, 6.0, 12.0)
+SHARE_WEIGHTS = (1.0, 3.0, 6.0, 12.0)
+SYSTEMS = ("x0", "x1", "ppd")
 
 
-def run(config: str, router, workload: str, rate: float, seconds: float, seed: int,
-        bandwidth: float | None = None, timeout_s: float = CHAT_TIMEOUT_S) -> dict[str, float]:
-    """One point, figures from the one outcome summary (`dynamo_ppd.sim.outcome`): turn-2+ TTFT
-    mean with each failed follow-up at ``timeout_s`` (0: no follow-ups), p50s over successful
-    requests, success as the share of all requests sent."""
-    profile = load_profile()
-    cluster = Cluster.from_config(profile, config, seed=seed, link_bandwidth_bytes_s=bandwidth)
-    conversations = to_sim(make_workload(workload, rate, seconds, seed))
-    result = simulate(cluster, conversations, router, timeout_s=timeout_s,
-                      on_finish=getattr(router, "on_finish", None))
-    o = result.outcome()
+class Spec(msgspec.Struct, frozen=True):
+    """One simulated point: a system on a configuration, one paper workload at one rate."""
 
-    def ms(value: float | None) -> float:
-        return value * 1e3 if value is not None else 0.0
-
-    return {"ttft2_p50_ms": ms(o.turn2.p50_ttft_s), "ttft2_mean_ms": ms(o.turn2_ttft_mean_with_timeouts_s),
-            "tpot_p50_ms": ms(o.all_turns.p50_tpot_s), "tpot_mean_ms": ms(o.tpot_mean_s),
-            "success": o.success_share, "local_share": result.local_share()}
+    profile: str
+    config: str
+    system: str  # x0 (every turn via prefill), x1 (turn 2 decode-local), ppd (our policy)
+    workload: str
+    qps: float  # conversations per second, as the paper's
+    seed: int = 0
+    bandwidth_bytes_s: float | None = None  # the KV link's bandwidth (None: the profile's)
+    w_tpot: float = 1.0  # the policy's weight on TPOT (w_ttft = 1); ppd only
 
 
-def ppd_router(config: str, weights: Weights | None = None) -> PolicyRouter:
+class Result(msgspec.Struct, frozen=True):
+    point: pdata.PaperPoint  # the outcome in the measured data's columns
+    local_share: float  # share of finished turn-2s that ran decode-local
+
+
+def table_for(profile: EngineProfile, config: str) -> Path:
+    """The PPD table shipped for this profile and configuration, else the default profile's
+    (`docs/results.md` says which one a run used)."""
+    own = bundled_table(config).with_name(f"{profile.name}-{config.lower()}.json")
+    return own if own.exists() else bundled_table(config)
+
+
+def ppd_router(profile: EngineProfile, config: str, weights: Weights | None = None) -> PolicyRouter:
     weights = weights or Weights()
-    table = reweight(load_table(bundled_table(config)), weights)
+    table = reweight(load_table(table_for(profile, config)), weights)
     policy = Policy(PolicyConfig(Mode.PPD, w_ttft=weights.w_ttft, w_tpot=weights.w_tpot),
-                    ProfilePredictor(load_profile()), table)
+                    ProfilePredictor(profile), table)
     return PolicyRouter(policy)
+
+
+def run(spec: Spec) -> Result:
+    """One point in the paper's protocol; its figures from the one outcome summary."""
+    profile = load_profile(spec.profile)
+    cluster = Cluster.from_config(profile, spec.config, seed=spec.seed,
+                                  link_bandwidth_bytes_s=spec.bandwidth_bytes_s)
+    router = {"x0": lambda: pd_router, "x1": lambda: local_router,
+              "ppd": lambda: ppd_router(profile, spec.config, Weights(1.0, spec.w_tpot))}[spec.system]()
+    result = simulate(cluster, paper_workload(spec.workload, spec.qps, spec.seed), router,
+                      until_s=PAPER_KILL_AFTER_S, timeout_s=PAPER_REQUEST_TIMEOUT_S,
+                      on_finish=getattr(router, "on_finish", None))
+    point = pdata.point_from_columns(f"{spec.config}:{spec.system}", spec.workload, spec.qps,
+                                     paper_columns(result.outcome()))
+    return Result(point, result.local_share())
+
+
+class Runner:
+    """Runs specs in parallel processes, each once (tables share their x=0/x=1 points)."""
+
+    def __init__(self, jobs: int):
+        self.jobs = jobs
+        self.results: dict[Spec, Result] = {}
+
+    def __call__(self, specs: Iterable[Spec], label: str) -> dict[Spec, Result]:
+        todo = [s for s in dict.fromkeys(specs) if s not in self.results]
+        started = time.monotonic()
+        if self.jobs <= 1 or len(todo) <= 1:
+            for spec in todo:
+                self.results[spec] = run(spec)
+        else:
+            with ProcessPoolExecutor(max_workers=self.jobs) as pool:
+                for spec, result in zip(todo, pool.map(run, todo, chunksize=1), strict=True):
+                    self.results[spec] = result
+        _progress(f"{label}: {len(todo)} points in {time.monotonic() - started:.0f} s")
+        return self.results
 
 
 def _progress(label: str) -> None:
@@ -62,82 +126,165 @@ def _progress(label: str) -> None:
     sys.stderr.flush()
 
 
-def table1(rates, seconds, seed) -> tuple[str, dict]:
-    rows, data = [], {}
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _ttft_pair(x0: pdata.PaperPoint, x1: pdata.PaperPoint) -> tuple[float, float] | None:
+    """Turn-2 mean TTFT of both sides, where both completed turn-2 requests."""
+    if not (x0.completed and x1.completed):
+        return None
+    return x0.turn2.avg_ttft_ms, x1.turn2.avg_ttft_ms
+
+
+def _change_cell(pairs: list[tuple[float, float] | None]) -> str:
+    ok = [p for p in pairs if p is not None]
+    if not ok:
+        return "no point completed"
+    a, b = statistics.fmean(p[0] for p in ok), statistics.fmean(p[1] for p in ok)
+    dropped = f", {len(pairs) - len(ok)} dropped" if len(ok) < len(pairs) else ""
+    return f"{a:.0f} -> {b:.0f} ({b / a - 1:+.0%}{dropped})"
+
+
+def table1(runner: Runner, profile: str, workloads: Sequence[str], rates: Sequence[float],
+           measured: dict[tuple[str, str, float], pdata.PaperPoint]) -> str:
+    specs = [Spec(profile, c, s, w, q)
+             for c in CONFIGS for s in ("x0", "x1") for w in workloads for q in rates]
+    results = runner(specs, "table 1")
+    rows = []
     for config in CONFIGS:
-        _progress(f"table 1: {config}")
-        cells = []
-        for rate in rates:
-            x0 = run(config, pd_router, "wildchat", rate, seconds, seed)
-            x1 = run(config, local_router, "wildchat", rate, seconds, seed)
-            data[(config, rate)] = (x0, x1)
-            if not x0["ttft2_mean_ms"]:
-                cells.append("no follow-ups")
+        sim_cells, data_cells = [], []
+        for q in rates:
+            sim_cells.append(_change_cell([_ttft_pair(results[Spec(profile, config, "x0", w, q)].point,
+                                                      results[Spec(profile, config, "x1", w, q)].point)
+                                           for w in workloads]))
+            if config in MEASURED:
+                x0c, x1c = MEASURED[config]
+                data_cells.append(_change_cell([_ttft_pair(measured[(x0c, w, q)], measured[(x1c, w, q)])
+                                                for w in workloads]))
+        rows.append(f"| {config} simulated | " + " | ".join(sim_cells) + " |")
+        if config in MEASURED:
+            rows.append(f"| {MEASURED[config][0]} -> {MEASURED[config][1]} measured | "
+                        + " | ".join(data_cells) + " |")
+        else:
+            rows.append(f"| {config} measured | " + " | ".join(["not in the data"] * len(rates)) + " |")
+    header = "| configuration | " + " | ".join(f"{q:g} conv/s" for q in rates) + " |"
+    return "\n".join([header, "|---" * (len(rates) + 1) + "|", *rows])
+
+
+# Metric, how to read it off a point (None: no value, the system loses), better is lower?
+_METRICS = (("turn-2 TTFT", lambda p: p.turn2.avg_ttft_ms if p.completed else None, True),
+            ("turn-2 TPOT", lambda p: (p.turn2.avg_tpot_ms or None) if p.completed else None, True),
+            ("success", lambda p: p.success_rate, False))
+
+
+def count_wins(groups: Iterable[dict[str, pdata.PaperPoint]]) -> tuple[dict[str, dict[str, int]], int]:
+    """Per system and metric, the points where it is best; ties within 0.5% count for each."""
+    wins: dict[str, dict[str, int]] = {}
+    n = 0
+    for group in groups:
+        n += 1
+        for metric, read, lower in _METRICS:
+            values = {name: read(p) for name, p in group.items()}
+            present = [v for v in values.values() if v is not None]
+            if not present:
                 continue
-            change = x1["ttft2_mean_ms"] / x0["ttft2_mean_ms"] - 1
-            cells.append(f"{x0['ttft2_mean_ms']:.0f} -> {x1['ttft2_mean_ms']:.0f} ({change:+.0%})")
-        rows.append(f"| {config} | " + " | ".join(cells) + " |")
-    header = "| config | " + " | ".join(f"{r:g} conv/s" for r in rates) + " |"
-    return "\n".join([header, "|---" * (len(rates) + 1) + "|", *rows]), data
+            best = min(present) if lower else max(present)
+            for name, v in values.items():
+                row = wins.setdefault(name, {m: 0 for m, _, _ in _METRICS})
+                row[metric] += v is not None and abs(v - best) <= 1e-9 + 0.005 * abs(best)
+    return wins, n
 
 
-def table3(rates, seconds, seed) -> tuple[str, dict]:
-    wins = {name: {"TTFT": 0, "TPOT": 0, "success": 0} for name in ("x=0", "x=1", "PPD")}
-    points = 0
-    for config in CONFIGS:
-        _progress(f"table 3: {config}")
-        for rate in rates:
-            outcomes = {"x=0": run(config, pd_router, "wildchat", rate, seconds, seed),
-                        "x=1": run(config, local_router, "wildchat", rate, seconds, seed),
-                        "PPD": run(config, ppd_router(config), "wildchat", rate, seconds, seed)}
-            points += 1
-            for metric, key, better in (("TTFT", "ttft2_mean_ms", min), ("TPOT", "tpot_mean_ms", min),
-                                        ("success", "success", max)):
-                best = better(o[key] for o in outcomes.values())
-                for name, o in outcomes.items():  # ties count for every system at the best value
-                    wins[name][metric] += abs(o[key] - best) <= 1e-9 + 0.005 * abs(best)
-    lines = [f"| system | turn-2+ TTFT wins | TPOT wins | success wins (of {points}) |", "|---|---|---|---|"]
-    lines += [f"| {n} | {w['TTFT']} | {w['TPOT']} | {w['success']} |" for n, w in wins.items()]
-    return "\n".join(lines), wins
+def _wins_table(wins: dict[str, dict[str, int]], n: int, names: dict[str, str]) -> list[str]:
+    lines = [f"| system | turn-2 TTFT wins | turn-2 TPOT wins | success wins (of {n}) |", "|---|---|---|---|"]
+    lines += [f"| {label} | " + " | ".join(str(wins.get(key, {}).get(m, 0)) for m, _, _ in _METRICS) + " |"
+              for key, label in names.items()]
+    return lines
 
 
-def fig5(seconds, seed, out: Path) -> str:
-    base = load_profile().transfer.link_bandwidth_bytes_s
-    factors = [1, 0.5, 0.2, 0.1, 0.05, 0.02]
-    rows: list[str] = []
-    series: dict[str, list[dict]] = {"PD": [], "PPD": []}
-    _progress("fig 5: bandwidth sweep")
-    for factor in factors:
-        pd = run("1P3D", pd_router, "wildchat", 1.0, seconds, seed, bandwidth=base * factor)
-        ppd = run("1P3D", ppd_router("1P3D"), "wildchat", 1.0, seconds, seed, bandwidth=base * factor)
-        series["PD"].append(pd)
-        series["PPD"].append(ppd)
-        rows.append(f"| {base * factor / 1e9:.1f} | {pd['ttft2_mean_ms']:.1f} | {ppd['ttft2_mean_ms']:.1f} | "
-                    f"{pd['tpot_mean_ms']:.2f} | {ppd['tpot_mean_ms']:.2f} |")
-    _plot(out / "fig5-bandwidth.png", [base * f / 1e9 for f in factors], series,
-          "link bandwidth (GB/s)", "Fig. 5: bandwidth sweep (1P3D, 1 conv/s, WildChat-like)", log_x=True)
-    return "\n".join(["| link GB/s | PD TTFT 2+ ms | PPD TTFT 2+ ms | PD TPOT ms | PPD TPOT ms |",
-                      "|---|---|---|---|---|", *rows])
+def table3(runner: Runner, profile: str, workloads: Sequence[str], rates: Sequence[float],
+           measured: dict[tuple[str, str, float], pdata.PaperPoint]) -> str:
+    specs = [Spec(profile, c, s, w, q) for c in CONFIGS for s in SYSTEMS for w in workloads for q in rates]
+    results = runner(specs, "table 3")
+    groups = [{s: results[Spec(profile, c, s, w, q)].point for s in SYSTEMS}
+              for c in CONFIGS for w in workloads for q in rates]
+    wins, n = count_wins(groups)
+    names = {"x0": "x=0 (PD)", "x1": "x=1 (decode-local)", "ppd": "PPD (our policy, w 1,1)"}
+    lines = ["Simulated, 3 configurations x the workloads x rates above:", "",
+             *_wins_table(wins, n, names), ""]
+    every_rate = sorted({k[2] for k in measured})
+    for scope, qs, ws in (("the same workloads and rates", rates, workloads),
+                          ("all 18 workloads x 10 rates", every_rate, list(PAPER_WORKLOADS))):
+        groups = [{"x0": measured[(a, w, q)], "x1": measured[(b, w, q)]}
+                  for a, b in MEASURED.values() for w in ws for q in qs]
+        wins, n = count_wins(groups)
+        lines += [f"Measured (1P_3D vs 1P_3pD and 3P_1D vs 3P_1pD; no PPD policy in the data), {scope}:", "",
+                  *_wins_table(wins, n, {"x0": "x=0 (`..D`)", "x1": "x=1 (`..pD`)"}), ""]
+    return "\n".join(lines).rstrip()
 
 
-def fig6(seconds, seed, out: Path) -> str:
-    weights = [0.5, 1, 2, 3, 6, 12]
-    rows: list[str] = []
-    series: dict[str, list[dict]] = {"PPD": []}
-    _progress("fig 6: w_tpot frontier")
-    x0 = run("1P3D", pd_router, "large_huge_paste", 4.0, seconds, seed)
-    for w in weights:
-        o = run("1P3D", ppd_router("1P3D", Weights(1, w)), "large_huge_paste", 4.0, seconds, seed)
-        series["PPD"].append(o)
-        rows.append(f"| {w:g} | {o['local_share']:.0%} | {o['ttft2_mean_ms']:.1f} | "
-                    f"{o['tpot_mean_ms']:.2f} |")
-    rows.append(f"| x=0 (PD) | 0% | {x0['ttft2_mean_ms']:.1f} | {x0['tpot_mean_ms']:.2f} |")
-    _plot(out / "fig6-frontier.png", weights, series, "w_tpot (w_ttft = 1)",
-          "Fig. 6: w_tpot frontier (1P3D, prefill-heavy, 4 conv/s)")
-    return "\n".join(["| w_tpot | decode-local share | TTFT 2+ ms | TPOT ms |", "|---|---|---|---|", *rows])
+def fig5(runner: Runner, profile_name: str, out: Path) -> str:
+    base = load_profile(profile_name).transfer.link_bandwidth_bytes_s
+    specs = {(system, f): Spec(profile_name, "1P3D", system, FIG5_WORKLOAD, FIG5_RATE,
+                               bandwidth_bytes_s=base * f)
+             for system in ("x0", "ppd") for f in FIG5_FACTORS}
+    results = runner(specs.values(), "fig 5")
+    series = {label: [results[specs[(system, f)]].point for f in FIG5_FACTORS]
+              for system, label in (("x0", "PD (x=0)"), ("ppd", "PPD"))}
+    rows = []
+    for i, f in enumerate(FIG5_FACTORS):
+        pd, ppd = series["PD (x=0)"][i], series["PPD"][i]
+        rows.append(f"| {base * f / 1e9:.1f} | {pd.turn2.avg_ttft_ms:.1f} | {ppd.turn2.avg_ttft_ms:.1f} | "
+                    f"{pd.turn2.avg_tpot_ms:.2f} | {ppd.turn2.avg_tpot_ms:.2f} | "
+                    f"{results[specs[('ppd', f)]].local_share:.0%} |")
+    _plot(out / "fig5-bandwidth.png", [base * f / 1e9 for f in FIG5_FACTORS], series, "link bandwidth (GB/s)",
+          f"Fig. 5: bandwidth sweep (1P3D, {FIG5_WORKLOAD}, {FIG5_RATE:g} conv/s)", log_x=True)
+    return "\n".join(["| link GB/s | PD turn-2 TTFT ms | PPD turn-2 TTFT ms | PD TPOT ms | PPD TPOT ms | "
+                      "PPD decode-local |", "|---|---|---|---|---|---|", *rows])
 
 
-def _plot(path: Path, xs, series: dict[str, list[dict]], xlabel: str, title: str,
+def fig6(runner: Runner, profile: str, workloads: Sequence[str], rates: Sequence[float],
+         measured_points: list[pdata.PaperPoint], out: Path) -> str:
+    x01 = runner([Spec(profile, "1P3D", s, w, q) for s in ("x0", "x1") for w in workloads for q in rates],
+                 "fig 6 (x=0/x=1 points)")
+    pairs = [(x01[Spec(profile, "1P3D", "x0", w, q)].point, x01[Spec(profile, "1P3D", "x1", w, q)].point)
+             for w in workloads for q in rates]
+    index = pdata.by_key(measured_points)
+    same = [(index[("1P_3D", w, q)], index[("1P_3pD", w, q)]) for w in workloads for q in rates]
+    implied = [(w, pdata.local_share(pairs, 1.0, w), pdata.local_share(same, 1.0, w),
+                pdata.measured_local_share(measured_points, "1P_3D", (1.0, w))) for w in SHARE_WEIGHTS]
+    lines = ["Decode-local share implied by x=0/x=1 points (share of points where x=1 scores > 0; a point "
+             "where one side completed no turn 2 counts for the other):", "",
+             "| w_tpot | simulated 1P3D | measured 1P_3D, same points | measured 1P_3D, all 180 points |",
+             "|---|---|---|---|"]
+    lines += [f"| {w:g} | {_pct(s.share)} | {_pct(m.share)} | {_pct(a.share)} |" for w, s, m, a in implied]
+    specs = {(w, wl): Spec(profile, "1P3D", "ppd", wl, FIG6_RATE, w_tpot=w)
+             for w in FIG6_WEIGHTS for wl in FIG6_WORKLOADS}
+    base = {wl: Spec(profile, "1P3D", "x0", wl, FIG6_RATE) for wl in FIG6_WORKLOADS}
+    results = runner([*specs.values(), *base.values()], "fig 6 (policy)")
+    lines += ["", f"Our policy at each weight, on {', '.join(FIG6_WORKLOADS)} at {FIG6_RATE:g} conv/s "
+              "(means over the three):", "",
+              "| w_tpot | decode-local share | turn-2 TTFT ms | turn-2 TPOT ms |", "|---|---|---|---|"]
+    policy_rows = []
+    for w in FIG6_WEIGHTS:
+        rs = [results[specs[(w, wl)]] for wl in FIG6_WORKLOADS]
+        policy_rows.append(rs)
+        lines.append(f"| {w:g} | {statistics.fmean(r.local_share for r in rs):.0%} | "
+                     f"{statistics.fmean(r.point.turn2.avg_ttft_ms for r in rs):.1f} | "
+                     f"{statistics.fmean(r.point.turn2.avg_tpot_ms for r in rs):.2f} |")
+    pd = [results[b].point for b in base.values()]
+    lines.append(f"| x=0 (PD) | 0% | {statistics.fmean(p.turn2.avg_ttft_ms for p in pd):.1f} | "
+                 f"{statistics.fmean(p.turn2.avg_tpot_ms for p in pd):.2f} |")
+    _plot_fig6(out / "fig6-frontier.png", implied, policy_rows)
+    return "\n".join(lines)
+
+
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
+
+
+def _plot(path: Path, xs, series: dict[str, list[pdata.PaperPoint]], xlabel: str, title: str,
           log_x: bool = False) -> None:
     import matplotlib
 
@@ -145,10 +292,10 @@ def _plot(path: Path, xs, series: dict[str, list[dict]], xlabel: str, title: str
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, outcomes in series.items():
-        axes[0].plot(xs, [o["ttft2_mean_ms"] for o in outcomes], "o-", label=name)
-        axes[1].plot(xs, [o["tpot_mean_ms"] for o in outcomes], "o-", label=name)
-    for ax, ylabel in zip(axes, ("turn-2+ TTFT mean (ms)", "TPOT mean (ms)"), strict=True):
+    for name, points in series.items():
+        axes[0].plot(xs, [p.turn2.avg_ttft_ms for p in points], "o-", label=name)
+        axes[1].plot(xs, [p.turn2.avg_tpot_ms for p in points], "o-", label=name)
+    for ax, ylabel in zip(axes, ("turn-2 TTFT mean (ms)", "turn-2 TPOT mean (ms)"), strict=True):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -161,64 +308,144 @@ def _plot(path: Path, xs, series: dict[str, list[dict]], xlabel: str, title: str
     plt.close(fig)
 
 
+def _plot_fig6(path: Path, implied, policy_rows: list[list[Result]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ws = [w for w, *_ in implied]
+    labels = ((1, "simulated (implied)"), (2, "measured, same points"), (3, "measured, all points"))
+    for column, label in labels:
+        axes[0].plot(ws, [100 * (row[column].share or 0) for row in implied], "o-", label=label)
+    axes[0].plot(FIG6_WEIGHTS, [100 * statistics.fmean(r.local_share for r in rs) for rs in policy_rows],
+                 "s--", label="our policy (prefill-heavy mix)")
+    for ax, read in ((axes[1], lambda p: p.turn2.avg_ttft_ms), (axes[2], lambda p: p.turn2.avg_tpot_ms)):
+        ax.plot(FIG6_WEIGHTS, [statistics.fmean(read(r.point) for r in rs) for rs in policy_rows], "o-")
+    for ax, ylabel in zip(axes, ("decode-local share (%)", "turn-2 TTFT mean (ms)", "turn-2 TPOT mean (ms)"),
+                          strict=True):
+        ax.set_xlabel("w_tpot (w_ttft = 1)")
+        ax.set_ylabel(ylabel)
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Fig. 6: the w_tpot frontier (1P3D)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated rates like 1,4,10") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: rates must be positive")
+    return rates
+
+
+def _workloads(text: str) -> list[str]:
+    names = list(PAPER_WORKLOADS) if text == "all" else [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in PAPER_WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown workloads {unknown}; known: all, {', '.join(PAPER_WORKLOADS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.bench.reproduce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=30.0, help="seconds of arrivals per run")
+    parser.add_argument("--profile", default=PAPER_PROFILE,
+                        help="engine profile of the simulated cluster: a bundled name or a YAML path "
+                        f"(default: {PAPER_PROFILE}, the paper authors' vLLM stack on H100)")
+    parser.add_argument("--rates", type=_rates, default=list(DEFAULT_RATES),
+                        help="conversation rates of Table 1, Table 3 and the implied shares (a subset "
+                        "of the paper's 0.5..20, to stay within minutes; the measured side must have them)")
+    parser.add_argument("--workloads", type=_workloads, default=list(PAPER_WORKLOADS),
+                        help="comma-separated paper workloads, or all")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel processes")
     parser.add_argument("--out", type=Path, default=Path("docs"), help="where results.md and PNGs go")
     args = parser.parse_args(argv)
+    try:
+        profile = load_profile(args.profile)
+    except ProfileError as exc:
+        print(f"reproduce: error: {exc}", file=sys.stderr)
+        return 2
+    measured_points = pdata.bundled_points()
+    measured = pdata.by_key(measured_points)
+    missing = sorted({q for q in args.rates if ("1P_3D", args.workloads[0], q) not in measured})
+    if missing:
+        print(f"reproduce: error: the measured data has no rate {missing}; use the paper's rates",
+              file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    t1, _ = table1([0.5, 1, 2, 4, 6, 8], args.seconds, args.seed)
-    t3, _ = table3([0.5, 1, 2, 3, 4, 5, 6, 7, 8], args.seconds, args.seed)
-    f5 = fig5(args.seconds, args.seed, args.out)
-    f6 = fig6(args.seconds, args.seed, args.out)
+    runner = Runner(args.jobs)
+    name = args.profile
+    t1 = table1(runner, name, args.workloads, args.rates, measured)
+    t3 = table3(runner, name, args.workloads, args.rates, measured)
+    f5 = fig5(runner, name, args.out)
+    f6 = fig6(runner, name, args.workloads, args.rates, measured_points, args.out)
     minutes = (time.monotonic() - started) / 60
-    text = RESULTS_TEMPLATE.format(seconds=args.seconds, t1=t1, t3=t3, f5=f5, f6=f6, minutes=minutes)
+    tables = sorted({table_for(profile, c).name for c in CONFIGS})
+    text = RESULTS_TEMPLATE.format(
+        minutes=minutes, profile=profile.name, jobs=args.jobs, points=len(runner.results),
+        rates=", ".join(f"{q:g}" for q in args.rates),
+        workloads="all 18" if len(args.workloads) == len(PAPER_WORKLOADS) else ", ".join(args.workloads),
+        tables=", ".join(f"`{t}`" for t in tables), t1=t1, t3=t3, f5=f5, f6=f6,
+        fig5_workload=FIG5_WORKLOAD, fig5_rate=FIG5_RATE, differences=DIFFERENCES)
     (args.out / "results.md").write_text(text)
     print(text)
     return 0
 
 
-RESULTS_TEMPLATE = """# The paper's results on the simulated H100 cluster
+RESULTS_TEMPLATE = """# The paper's results: simulated beside measured
 
-Produced by `just reproduce` (`python -m dynamo_ppd.bench.reproduce`) in {minutes:.1f} minutes on 2
-cores: the virtual-clock simulation of `dynamo_ppd.sim` with the default engine profile
-(`h100-llama3.1-8b`), {seconds:g} s of conversation arrivals per run, WildChat-like conversations
-unless stated, loads as conversation arrival rates (about 2.5 requests per conversation).
-x=0 is classic PD (every follow-up through the prefill worker), x=1 sends every follow-up to its
-decode worker, PPD is our router's policy (shipped table + online correction, weights 1,1).
+Produced by `just reproduce` (`python -m dynamo_ppd.bench.reproduce`) in {minutes:.1f} minutes
+({points} simulated points, {jobs} processes, 2 shared cores). Simulated: the virtual-clock
+cluster of `dynamo_ppd.sim` with the engine profile `{profile}`; the PPD policy reads
+{tables}. Measured: the paper's own H100 runs (`dynamo_ppd/bench/data/paper_comprehensive.csv`,
+from the authors' repository; vLLM, Llama-3.1-8B, one node of 4 H100s, their proxy).
 
-## Table 1: follow-up TTFT, x=0 -> x=1 (mean ms, change)
+Both sides use the paper's workloads and protocol (docs/manifest.md): the 18 workloads
+`<T1>_<T2>`, conversations arriving for 10 s at the rate (conversations/s), exactly 2 turns, turn 2
+sent as turn 1 ends, 120 s timeout. Reduced to stay within minutes: rates {rates} conv/s (of the
+paper's ten) and workloads: {workloads}. Latencies are over successful requests, as the data's.
+x=0 is classic PD (turn 2 through a prefill worker; the data's `..D` configurations), x=1 sends
+turn 2 to its decode worker (`..pD`), PPD is our router's policy (table + online correction).
+
+## Table 1: turn-2 mean TTFT, x=0 -> x=1 (ms, mean over the workloads; change)
+
+A point where a side completed no turn 2 (the measured 1P_3D crashes, timeouts) is dropped from
+both sides of its cell ("dropped"). 2P2D is simulated only: 2P_2D is among the configurations
+kept back from the data.
 
 {t1}
 
-## Table 3: wins per metric over 3 configurations x 9 loads
+## Table 3: wins per metric
 
 {t3}
 
-## Fig. 5: link bandwidth sweep (1P3D, 1 conv/s) — fig5-bandwidth.png
+## Fig. 5: link bandwidth sweep (1P3D, {fig5_workload}, {fig5_rate:g} conv/s) — fig5-bandwidth.png
+
+The measured data has no bandwidth sweep (one NVLink node), so there is nothing to set beside it.
 
 {f5}
 
-## Fig. 6: the w_tpot frontier (1P3D, prefill-heavy follow-ups, 4 conv/s) — fig6-frontier.png
+## Fig. 6: the w_tpot frontier (1P3D) — fig6-frontier.png
 
 {f6}
 
 ## Where we differ from the paper, and why
 
-- The paper measured real H100s through a Python proxy; our numbers come from the engine model's
-  roofline costs (see README, "What the engine model says about interference"), without HTTP,
-  tokenization or proxy overheads. Absolute TTFTs are therefore lower than the paper's 143.7 ms
-  PD / ~51 ms PPD at WildChat 1P3D QPS 1; the ratios are what to compare.
-- The simulated KV link is NVLink-class (225 GB/s effective): a 5K-token history moves in ~3 ms,
-  so at the default bandwidth the transfer itself is a small part of PD's follow-up TTFT; the
-  re-prefill on the prefill worker and its queue dominate. The paper's bandwidth sweep (Fig. 5)
-  shows the same direction (PD degrades, PPD flat) but over a different range.
-- Our WildChat-like and synthetic workloads are generated to the brief's published statistics, not
-  sampled from the data sets; the paper's exact first-turn settings are not known to us.
+{differences}
 """
+
+DIFFERENCES = """- (to be written from the final run)"""
 
 
 if __name__ == "__main__":

@@ -22,8 +22,7 @@ from .table import TABLE_FORMAT_VERSION, BuildInfo, Cell, Measurement, PpdTable,
 def _measure(args: tuple) -> tuple[tuple[str, str, float], Measurement, Measurement]:
     profile_name, config, ctx, wl, qps, seconds, seed = args
     profile = load_profile(profile_name)
-    x0, x1 = measure_cell(profile, config, ctx.representative_tokens, wl.input_tokens, wl.output_tokens,
-                          qps, seconds, seed)
+    x0, x1 = measure_cell(profile, config, ctx, wl, qps, seconds, seed)
     return (ctx.name, wl.name, qps), x0, x1
 
 

@@ -1,13 +1,22 @@
 """The decision grid (brief §2): cumulative context class x follow-up workload class x QPS level.
 
 - Context classes by the prompt's total tokens (the conversation so far plus the new input):
-  small <= 512 < large <= 4096 < huge. Each has a representative context used to measure it.
-- Nine follow-up workload classes: representative (new input, output) points, the paper's span
-  from decode-heavy (32 in, 512 out) to prefill-heavy (1024 in, 32 out): input in {32, 256, 1024}
-  crossed with output in {32, 256, 512}. Each is labelled by its input/output ratio class (cut
-  points 0.25 and 2.0: decode-heavy, balanced, prefill-heavy) and its size. A request maps to the
-  nearest point in log space.
-- QPS levels {0.5, 1, 2, 4, 6, 8, 10, 12, 16, 20}; a measured rate snaps to the nearest level.
+  small <= 512 < large <= 4096 < huge. Each is measured on two-turn conversations whose first
+  turn is the class's ``first_turn``: the paper's T1 for small (128 -> 128) and large (1024 ->
+  1024), so a cell is the paper's workload ``<T1>_<T2>``. The paper has no T1 for huge (> 4096);
+  it keeps our own representative (an 8,192-token turn-2 prompt). ``representative_tokens`` is a
+  typical turn-2 prompt of the class (T1 plus the median T2 input, 64), what the online
+  correction predicts a cell's nominal request at. Note that the paper's small T1 with the large
+  T2 inputs (mid_paste, big_paste, huge_paste: 256-1024 new tokens) gives turn-2 prompts of
+  ~520-1300 tokens, over the small cut point: those cells describe conversations with a small
+  history, while a live request of that size is looked up in "large" by its whole prompt.
+- Nine follow-up workload classes: the paper's nine T2 settings, named as in its data (new
+  input -> output): tiny 16 -> 32, short_gen 32 -> 256, long_gen 32 -> 512, very_long_gen
+  64 -> 1024, small_bal 64 -> 64, mid_bal 128 -> 128, mid_paste 256 -> 64, big_paste 512 -> 64,
+  huge_paste 1024 -> 32. Each is labelled by its input/output ratio class (cut points 0.25 and
+  2.0: decode-heavy, balanced, prefill-heavy). A request maps to the nearest point in log space.
+- QPS levels {0.5, 1, 2, 4, 6, 8, 10, 12, 16, 20}: the paper's rates, here as the request rate
+  the router measures (both turns of a conversation count); a measured rate snaps to the nearest.
 
 All of it is configurable and stored in each table, so a table says what it was built on.
 """
@@ -15,9 +24,12 @@ All of it is configurable and stored in each table, so a table says what it was 
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Annotated
 
 import msgspec
+
+from ..bench.workloads import PAPER_QPS, PAPER_T1, PAPER_T2
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 
@@ -26,6 +38,9 @@ class ContextClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     max_tokens: int | None  # upper bound (inclusive); None for the last class
     representative_tokens: Annotated[int, msgspec.Meta(gt=0)]
+    # The cells' first turn (prompt tokens, output tokens): the paper's T1. None: derived per
+    # cell so that the turn-2 prompt is ``representative_tokens`` (128 output tokens).
+    first_turn: tuple[Annotated[int, msgspec.Meta(gt=0)], Annotated[int, msgspec.Meta(gt=0)]] | None = None
 
 
 class WorkloadClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -77,10 +92,18 @@ class GridSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("grid.qps_levels: levels must be unique")
 
 
+def paper_context_class(name: str, max_tokens: int | None, t1: str) -> ContextClass:
+    """A context class measured with the paper's first turn ``t1`` (``small`` or ``large``)."""
+    first_in, first_out = PAPER_T1[t1]
+    typical_new = int(statistics.median(i for i, _ in PAPER_T2.values()))
+    return ContextClass(name, max_tokens, first_in + first_out + typical_new, (first_in, first_out))
+
+
 def default_grid() -> GridSpec:
-    workloads = [WorkloadClass(f"in{i}-out{o}", i, o) for i in (32, 256, 1024) for o in (32, 256, 512)]
+    workloads = [WorkloadClass(name, i, o) for name, (i, o) in PAPER_T2.items()]
     return GridSpec(
-        context_classes=[ContextClass("small", 512, 384), ContextClass("large", 4096, 2048),
-                         ContextClass("huge", None, 8192)],
+        context_classes=[paper_context_class("small", 512, "small"),
+                         paper_context_class("large", 4096, "large"),
+                         ContextClass("huge", None, 8192)],  # no paper workload has > 4096 tokens
         workload_classes=workloads,
-        qps_levels=[0.5, 1, 2, 4, 6, 8, 10, 12, 16, 20])
+        qps_levels=list(PAPER_QPS))

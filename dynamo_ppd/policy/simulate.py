@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..bench.workloads import PAPER_KILL_AFTER_S, PAPER_REQUEST_TIMEOUT_S, PAPER_TURNS, paper_arrivals
 from ..engine.profile import EngineProfile
 from ..sim import Cluster, Conversation, DecodeLocal, ViaPrefill, simulate
 from ..sim import RequestFeatures as SimFeatures
@@ -16,8 +17,9 @@ from ..sim.cluster import ClusterView
 from ..sim.outcome import CHAT_TIMEOUT_S
 from ..sim.routing import least_loaded_decode, least_loaded_prefill, local_router, pd_router
 from ..sim.run import SimResult
-from ..sim.workload import synthetic_workload
+from ..sim.workload import TEMPLATE_TOKENS, Turn
 from .decision import Decision, Policy, RequestFeatures, Route, WorkerLoad, moves_to_best
+from .grid import ContextClass, WorkloadClass
 from .qps import SlidingWindowRate
 from .table import Conditions, Measurement
 
@@ -130,27 +132,52 @@ def summarize(result: SimResult, duration_s: float, samples: list[Conditions]) -
                               decode_kv_tokens=mean([c.decode_kv_tokens for c in samples])))
 
 
-def cell_workload(context_tokens: int, input_tokens: int, output_tokens: int, qps: float,
-                  duration_s: float, seed: int, first_output_tokens: int = 128) -> list[Conversation]:
-    """Two-turn conversations whose second turn has ``context_tokens`` of context and the cell's
-    new input and output, arriving so that requests (both turns) come at ``qps``."""
-    first_input = max(1, context_tokens - first_output_tokens - input_tokens)
-    return synthetic_workload(qps / 2, duration_s, first_turn=(first_input, first_output_tokens),
-                              follow_up=(input_tokens, output_tokens), turns=2, seed=seed)
+def cell_workload(context: ContextClass, workload: WorkloadClass, qps: float, duration_s: float,
+                  seed: int) -> list[Conversation]:
+    """A cell's conversations, in the paper's protocol (`dynamo_ppd.bench.workloads`): two turns,
+    turn 2 sent as turn 1 ends, arrivals drawn as the authors draw them (`paper_arrivals`) over a
+    ``duration_s`` window. Turn 1 is the context class's paper T1 (``first_turn``; without one,
+    sized so that turn 2's prompt is ``representative_tokens``), turn 2 the workload class.
+
+    ``qps`` is the table's level, the request rate the router measures: conversations arrive at
+    ``qps / 2`` (two requests each). A draw with no conversation in the window (likely at the
+    lowest levels: about 8% at 0.25 conversations/s over 10 s) is redrawn with the next seeds,
+    because a cell without traffic measures nothing."""
+    if context.first_turn is not None:
+        first = context.first_turn
+    else:
+        template = 2 * TEMPLATE_TOKENS  # BOS + user header on turn 1, end-of-turn + header on turn 2
+        rest = context.representative_tokens - _DERIVED_FIRST_OUTPUT - workload.input_tokens - template
+        first = (max(1, rest), _DERIVED_FIRST_OUTPUT)
+    plan = [Turn(*first), Turn(workload.input_tokens, workload.output_tokens)]
+    for attempt in range(_MAX_REDRAWS):
+        draw = seed + attempt * _REDRAW_STRIDE
+        arrivals = paper_arrivals(qps / PAPER_TURNS, draw, duration_s)
+        if arrivals:
+            return [Conversation(f"c{i:05d}", t, list(plan), seed=draw) for i, t in enumerate(arrivals)]
+    raise ValueError(f"no conversation arrives within {duration_s:g} s at {qps:g} requests/s "
+                     f"in {_MAX_REDRAWS} draws; use a longer duration")
 
 
-def measure_cell(profile: EngineProfile, config: str, context_tokens: int, input_tokens: int,
-                 output_tokens: int, qps: float, duration_s: float, seed: int,
-                 link_bandwidth_bytes_s: float | None = None,
-                 timeout_s: float = CHAT_TIMEOUT_S) -> tuple[Measurement, Measurement]:
-    """(x=0, x=1) measurements of one cell on a fresh simulated cluster each; a turn not
-    answered within ``timeout_s`` fails and ends its conversation."""
+_DERIVED_FIRST_OUTPUT = 128  # turn-1 output of a class without a paper T1 (huge)
+_MAX_REDRAWS = 50
+_REDRAW_STRIDE = 1_000_003  # far from the next seeds a caller might use
+
+
+def measure_cell(profile: EngineProfile, config: str, context: ContextClass, workload: WorkloadClass,
+                 qps: float, duration_s: float, seed: int, link_bandwidth_bytes_s: float | None = None,
+                 timeout_s: float = PAPER_REQUEST_TIMEOUT_S) -> tuple[Measurement, Measurement]:
+    """(x=0, x=1) measurements of one cell on a fresh simulated cluster each, in the paper's
+    protocol: its arrivals (`cell_workload`), a turn not answered within ``timeout_s`` (120 s)
+    fails and ends its conversation, and the point is cut at 600 s. Not modelled: the authors'
+    client's 50-connection pool (`PAPER_MAX_CONNECTIONS`), a benchmark artefact a router in
+    production does not see, so a cell keeps every conversation's own arrival time."""
     out = []
     for router in (pd_router, local_router):
-        conversations = cell_workload(context_tokens, input_tokens, output_tokens, qps, duration_s, seed)
+        conversations = cell_workload(context, workload, qps, duration_s, seed)
         recorder = _Recorder(router)
         cluster = Cluster.from_config(profile, config, seed=seed,
                                       link_bandwidth_bytes_s=link_bandwidth_bytes_s)
-        result = simulate(cluster, conversations, recorder, timeout_s=timeout_s)
+        result = simulate(cluster, conversations, recorder, until_s=PAPER_KILL_AFTER_S, timeout_s=timeout_s)
         out.append(summarize(result, duration_s, recorder.samples))
     return out[0], out[1]
