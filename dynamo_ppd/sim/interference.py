@@ -17,23 +17,30 @@ mean gap between a decode request's consecutive tokens over whole prefill cycles
 (2K..64K) runs one client against 64 decoders (``--context-batch``).
 
 Why the model's numbers differ from the paper's (no fudge terms were added to close the gap):
-- Paper protocol, full prefill: the model gives ~0% at every batch (+0.2% at batch 200, one
-  prefill; the paper says +48%, its published data +117%). In the model a prefill sent with the
-  batch is computed in the batch's first iteration (200 x 32 + 1024 tokens fit the 8192-token
-  budget), before any decode request has its first token, so it lands in TTFT, not in TPOT; after
-  that it is one more decoding row with a short context. What the model lacks is vLLM V1's
-  cascade attention (vllm/v1/attention/backends/flash_attn.py ``use_cascade_attention`` in the
-  authors' fork at d6d4efb3): while every running request shares a cached prefix (>= 256 tokens,
-  >= 8 requests), vLLM reads that prefix once for the whole batch; one running request that does
-  not share it (a full prefill, which then decodes its 64 tokens) sets the common prefix to 0
-  (``get_num_common_prefix_blocks``: ref_cnt == number of requests) and every decode step
-  re-reads B x 2048 tokens of KV. The data shows that signature: the slowdown appears at batch
-  ~20 (where the heuristic switches cascade on), grows with the decode batch, not with the
-  number of full prefills (1 vs 4: +117% vs +147%), and an append (same prefix) keeps it off.
-  The model prices every decode sequence's whole KV read in every case. The measured decode-only
-  TPOT also grows 0.15 ms per decode request (38 ms at batch 200; model 26.6 ms), which cascade-
-  read attention cannot explain: a per-sequence cost of vLLM's stack the profile does not have.
-- Paper protocol, append: +0.4% at batch 200 (paper +2%, data +9%): agrees within noise.
+- Paper protocol, full prefill: the model gives ~0% at every batch (+0.2..0.3% at batch 200, one
+  prefill, on both H100 profiles; the paper says +48%, its published data +117%). In the model a
+  prefill sent with the batch is computed in the batch's first iteration (200 x 32 + 1024 tokens
+  fit the 8192-token budget), before any decode request has its first token, so it lands in TTFT,
+  not in TPOT; after that it is one more decoding row with a short context. What the model lacks
+  is vLLM V1's cascade attention (``use_cascade_attention`` in vllm/v1/attention/backends/
+  flash_attn.py of the authors' fork at d6d4efb3): while every running request shares a cached
+  prefix (>= 256 tokens, >= 8 requests, and its CTA-count heuristic), vLLM reads that prefix once
+  for the whole batch; one running request that does not share it (a full prefill, which then
+  decodes its 64 tokens) makes the common prefix 0 (``get_num_common_prefix_blocks``: blocks with
+  ref_cnt == number of requests) and every step re-reads B x 2048 tokens of KV. The data has that
+  signature: no effect at batch 10 (where the heuristic picks FlashDecoding), then a slowdown that
+  grows with the decode batch but hardly with the number of full prefills (1 vs 4 at batch 200:
+  +117% vs +147%), and none for an append (same prefix). The model prices every decode sequence's
+  whole KV read in every case. The measured decode-only TPOT also grows ~0.15 ms per running
+  request (38 ms at batch 200, model 27-30 ms), which prefix-read-once attention cannot explain: a
+  per-sequence cost of vLLM's stack that the profile does not have. (A what-if outside the repo,
+  vLLM's heuristic plus 0.146 ms per running sequence per iteration on the paper-stack profile:
+  decode-only within 7% of the measured at batches 10-250, full +45% at batch 200, append +0%.)
+- Paper protocol, append: +0.4% at batch 200 (paper +2%, data +9%), within the repeats' spread.
+- The model sends the batch at one instant (decode TTFT 0.17 s at batch 200); the authors' client
+  and vLLM's API server take the 200 text prompts one by one (measured decode TTFT 1.2 s), so
+  their prefills overlap decode steps that the model's do not. Real token counts are also above
+  the nominal ones (see `interference_paper`).
 - Closed loop: it puts a prefill in every iteration (a replacement joins the very next one), so
   every decode step pays it; the roofline's sharp max(weight streaming, GEMM compute) puts the
   knee at ~210 tokens (H100 constants), so at batch 200 the 128 appended tokens cross it (model

@@ -352,13 +352,13 @@ def plot(points: Sequence[InterferencePoint], measured: dict[MeasuredKey, Measur
     if panels > len(ks):
         assert sensitivity_model is not None and sensitivity_measured is not None
         ax = axes[panels - 1]
-        base, by_length = sensitivity_measured
+        sens_base, by_length = sensitivity_measured
         lengths = sorted(by_length)
-        ax.errorbar(lengths, [100 * (by_length[n].mean_tpot_ms / base.mean_tpot_ms - 1) for n in lengths],
-                    yerr=[[100 * (by_length[n].mean_tpot_ms - by_length[n].min_tpot_ms) / base.mean_tpot_ms
-                           for n in lengths],
-                          [100 * (by_length[n].max_tpot_ms - by_length[n].mean_tpot_ms) / base.mean_tpot_ms
-                           for n in lengths]],
+        scale = 100 / sens_base.mean_tpot_ms  # percent of the decode-only TPOT
+        sens_rows = [by_length[n] for n in lengths]
+        ax.errorbar(lengths, [scale * m.mean_tpot_ms - 100 for m in sens_rows],
+                    yerr=[[scale * (m.mean_tpot_ms - m.min_tpot_ms) for m in sens_rows],
+                          [scale * (m.max_tpot_ms - m.mean_tpot_ms) for m in sens_rows]],
                     fmt="s", ms=4, color="tab:green", alpha=0.75, capsize=2, lw=0.8,
                     label="measured (min-max)")
         model = sorted(sensitivity_model.items())
