@@ -133,7 +133,8 @@ def _add_engine(sub) -> None:
 
 def _add_sim(sub) -> None:
     p = sub.add_parser("sim", help="virtual-clock simulation of the engine model")
-    ssub = p.add_subparsers(dest="sim_command", required=True, metavar="{run,interference}")
+    ssub = p.add_subparsers(dest="sim_command", required=True, metavar="{run,interference,paper,fidelity}")
+    from .bench import fidelity, paper
     from .sim import interference, run
 
     run.add_arguments(ssub.add_parser(
@@ -142,6 +143,12 @@ def _add_sim(sub) -> None:
     interference.add_arguments(ssub.add_parser(
         "interference", help="decode slowdown under full vs append prefills (paper Fig. 2/7/8)",
         description=interference.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    paper.add_arguments(ssub.add_parser(
+        "paper", help="the paper authors' benchmark on a simulated configuration, as their CSV's columns",
+        description=paper.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    fidelity.add_arguments(ssub.add_parser(
+        "fidelity", help="simulated vs the paper's measured H100 points: errors, success, decode-local share",
+        description=fidelity.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def _add_table(sub) -> None:
@@ -283,9 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "engine":
             return _engine(args)
         if args.command == "sim":
+            from .bench import fidelity, paper
             from .sim import interference, run
 
-            return (run.main if args.sim_command == "run" else interference.main)(args)
+            mains = {"run": run.main, "interference": interference.main, "paper": paper.main,
+                     "fidelity": fidelity.main}
+            return mains[args.sim_command](args)
         if args.command == "table":
             from .policy import cli as table_cli
 

@@ -58,7 +58,7 @@ def test_profiles_derive_llama_quantities():
 
 
 def test_profile_errors_name_the_problem(tmp_path):
-    with pytest.raises(ProfileError, match="bundled: h100-llama3.1-8b, h200-llama3.1-8b"):
+    with pytest.raises(ProfileError, match="bundled: h100-llama3.1-8b, h100-llama3.1-8b-vllm-paper, h200"):
         load_profile("a100")
     bad = tmp_path / "bad.yaml"
     bad.write_bytes(msgspec.yaml.encode(msgspec.structs.replace(
@@ -226,3 +226,13 @@ def test_handoff_params_round_trip_and_reject_garbage():
     assert unpack_params(params) == (handle, 1500)
     with pytest.raises(HandoffError, match="malformed"):
         unpack_params({"opaque_state": "bm90IG1zZ3BhY2s=", "first_gen_tokens": [1]})
+
+
+def test_per_sequence_overhead_grows_the_iteration_with_the_batch():
+    profile = load_profile()
+    cost = msgspec.structs.replace(profile.cost, per_sequence_overhead_s=1e-4)
+    slow = msgspec.structs.replace(profile, cost=cost)
+    base, costly = CostModel(profile), CostModel(slow)
+    for batch in (1, 50):
+        extra = costly.iteration(batch, batch * 500).total_s - base.iteration(batch, batch * 500).total_s
+        assert extra == pytest.approx(batch * 1e-4)

@@ -9,7 +9,8 @@ kernel classes that run one after another in each layer:
 - Decode attention: each decoding sequence reads its whole KV cache (memory-bound).
 - Prefill attention: new tokens attend to their cached context and to each other, the larger of
   reading that KV and doing the FLOPs (compute-bound for long prompts: quadratic).
-- A fixed per-iteration overhead (scheduling, sampling, launch).
+- A fixed per-iteration overhead (scheduling, sampling, launch), plus a host cost per sequence
+  in the batch (zero for TensorRT-LLM; a Python engine loop's per-request work otherwise).
 
 Why append-prefill disturbs decoding so little: an append of m tokens onto n cached ones adds m
 tokens of GEMM work (often hidden under the weight streaming that decoding pays anyway) and
@@ -48,6 +49,7 @@ class CostModel:
         self.gemm_flops = hw.peak_bf16_flops * cost.gemm_flops_efficiency
         self.attention_flops = hw.peak_bf16_flops * cost.attention_flops_efficiency
         self.overhead_s = cost.iteration_overhead_s
+        self.per_sequence_s = cost.per_sequence_overhead_s
         self.weight_stream_s = model.streamed_weight_bytes / self.bandwidth
         # The LM head's weights are read only in iterations that sample a token.
         self.lm_head_stream_s = model.lm_head_params * model.bytes_per_param / self.bandwidth
@@ -76,8 +78,9 @@ class CostModel:
             pairs = chunk.new_tokens * (chunk.context_tokens + chunk.new_tokens / 2)
             read_s = (chunk.context_tokens + chunk.new_tokens) * self.kv_bytes_per_token / self.bandwidth
             prefill_attention_s += max(read_s, pairs * self.attention_flops_per_pair / self.attention_flops)
-        total = self.overhead_s + gemm_s + decode_attention_s + prefill_attention_s
-        return IterationCost(total, self.overhead_s, gemm_s, decode_attention_s, prefill_attention_s)
+        overhead_s = self.overhead_s + self.per_sequence_s * (num_decode + len(prefill))
+        total = overhead_s + gemm_s + decode_attention_s + prefill_attention_s
+        return IterationCost(total, overhead_s, gemm_s, decode_attention_s, prefill_attention_s)
 
 
 class TransferLink:

@@ -78,6 +78,10 @@ class CostConstants(msgspec.Struct, forbid_unknown_fields=True):
     memory_bandwidth_efficiency: Fraction
     gemm_flops_efficiency: Fraction
     attention_flops_efficiency: Fraction
+    # Host time per sequence in an iteration (sampling, detokenizing and streaming its token):
+    # ~0 in TensorRT-LLM's C++ executor, tens of microseconds in a Python engine loop (vLLM),
+    # where it makes TPOT grow with the batch beyond what the kernels explain.
+    per_sequence_overhead_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class EngineLimits(msgspec.Struct, forbid_unknown_fields=True):

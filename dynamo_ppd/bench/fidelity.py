@@ -1,0 +1,253 @@
+"""`dynamo-ppd sim fidelity`: the simulator against the paper authors' own H100 measurements.
+
+For each configuration it simulates every point of the authors' protocol (`sim paper`) with a
+profile and compares it with the measured point of the same (configuration, workload, QPS):
+
+- turn-2 mean TTFT and mean TPOT: median and p90 relative error |sim - measured| / measured,
+  over the points where both sides completed turn-2 requests and the measurement did not crash;
+  Spearman rank correlation over the same points (does the model order the points as the
+  hardware does?);
+- success agreement: the share of points, crash points excluded, where both sides agree on
+  whether the point met the paper's 95% success bar;
+- the decode-local share at weights (1, 1), (1, 3), (1, 6), (1, 12) for each x=0/x=1 family
+  (``1P_3D`` vs ``1P_3pD`` ...): how often x=1 scores > 0 against x=0, from the simulated points
+  beside the same figure from the measured ones (`paper_data.measured_local_share`).
+
+Writes a markdown report, the JSON behind it and a predicted-vs-measured plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from ..engine.profile import ProfileError, load_profile
+from .paper import add_common_arguments, paper_specs, points_csv, resolve_link, run_points
+from .paper_data import (
+    MEASURED_FAMILIES,
+    PaperDataError,
+    PaperPoint,
+    bundled_points,
+    by_key,
+    load_points,
+    measured_local_share,
+)
+
+DONE_CONFIGS = ("1P_3D", "1P_3pD", "3P_1D", "3P_1pD", "4R")  # issue 11's "Done when"
+SHARE_WEIGHTS = ((1.0, 1.0), (1.0, 3.0), (1.0, 6.0), (1.0, 12.0))
+SUCCESS_BAR = 95.0  # percent: the paper's bar for a point that "did not fail"
+
+
+class ErrorStats(msgspec.Struct, frozen=True):
+    points: int
+    median_rel_error: float | None
+    p90_rel_error: float | None
+    spearman: float | None
+
+
+class ConfigFidelity(msgspec.Struct, frozen=True):
+    config: str
+    points: int  # simulated points with a measured twin
+    crashed: int  # measured points left out of every figure (a server of the stack went down)
+    ttft: ErrorStats  # turn-2 mean TTFT
+    tpot: ErrorStats  # turn-2 mean TPOT
+    success_agreement: float | None
+    success_points: int
+
+
+class ShareRow(msgspec.Struct, frozen=True):
+    family: str
+    w_tpot: float
+    simulated: float | None
+    measured: float | None
+
+
+class FidelityReport(msgspec.Struct, frozen=True):
+    profile: str
+    link: str
+    configs: list[ConfigFidelity]
+    shares: list[ShareRow]
+
+
+def _spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    if len(a) < 3:
+        return None
+
+    def ranks(values: Sequence[float]) -> np.ndarray:
+        order = np.argsort(values, kind="stable")
+        r = np.empty(len(values))
+        r[order] = np.arange(len(values))
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _errors(pairs: list[tuple[float, float]]) -> ErrorStats:
+    """Relative errors of (simulated, measured) pairs."""
+    if not pairs:
+        return ErrorStats(0, None, None, None)
+    rel = [abs(s - m) / m for s, m in pairs]
+    return ErrorStats(len(pairs), float(np.median(rel)), float(np.percentile(rel, 90)),
+                      _spearman([s for s, _ in pairs], [m for _, m in pairs]))
+
+
+def compare_config(config: str, simulated: Sequence[PaperPoint],
+                   measured: dict[tuple[str, str, float], PaperPoint]) -> ConfigFidelity:
+    ttft: list[tuple[float, float]] = []
+    tpot: list[tuple[float, float]] = []
+    agree = considered = crashed = points = 0
+    for sim in simulated:
+        meas = measured.get((config, sim.workload, sim.qps))
+        if meas is None:
+            continue
+        points += 1
+        if meas.crashed:
+            crashed += 1
+            continue
+        considered += 1
+        agree += (sim.success_rate >= SUCCESS_BAR) == (meas.success_rate >= SUCCESS_BAR)
+        if sim.completed and meas.completed:
+            ttft.append((sim.turn2.avg_ttft_ms, meas.turn2.avg_ttft_ms))
+            if sim.turn2.avg_tpot_ms > 0 and meas.turn2.avg_tpot_ms > 0:
+                tpot.append((sim.turn2.avg_tpot_ms, meas.turn2.avg_tpot_ms))
+    return ConfigFidelity(config, points, crashed, _errors(ttft), _errors(tpot),
+                          agree / considered if considered else None, considered)
+
+
+def local_shares(simulated: Sequence[PaperPoint], measured: Sequence[PaperPoint]) -> list[ShareRow]:
+    """The decode-local share at each weight for every family whose two configs were simulated."""
+    configs = {p.config for p in simulated}
+    rows = []
+    for family, (x0, x1) in MEASURED_FAMILIES.items():
+        if x0 not in configs or x1 not in configs:
+            continue
+        keys = {(p.workload, p.qps) for p in simulated}
+        measured_here = [p for p in measured if (p.workload, p.qps) in keys]
+        for weights in SHARE_WEIGHTS:
+            sim_share = measured_local_share(list(simulated), (x0, x1), weights).share
+            meas_share = measured_local_share(measured_here, (x0, x1), weights).share
+            rows.append(ShareRow(family, weights[1], sim_share, meas_share))
+    return rows
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(report: FidelityReport, command: str) -> str:
+    lines = [f"# Simulator fidelity: `{report.profile}` against the paper's H100 measurements", "",
+             f"Produced by `{command}` (link: {report.link}). Measured points: the paper authors' "
+             "`comprehensive.csv` (freelulul/vllm-ppd, bundled in `dynamo_ppd/bench/data/`). Relative "
+             "errors over points where both sides completed turn-2 requests; measured points where a "
+             "server of their stack crashed are left out of every figure; success agreement: both "
+             f"sides on the same side of the {SUCCESS_BAR:.0f}% success bar.", "",
+             "| config | points | crashed | turn-2 TTFT median / p90 rel. error | TTFT rank corr. | "
+             "TPOT median / p90 rel. error | TPOT rank corr. | success agreement |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in report.configs:
+        lines.append(f"| {c.config} | {c.points} | {c.crashed} | {_pct(c.ttft.median_rel_error)} / "
+                     f"{_pct(c.ttft.p90_rel_error)} (n={c.ttft.points}) | {_num(c.ttft.spearman)} | "
+                     f"{_pct(c.tpot.median_rel_error)} / {_pct(c.tpot.p90_rel_error)} (n={c.tpot.points}) | "
+                     f"{_num(c.tpot.spearman)} | {_pct(c.success_agreement)} (n={c.success_points}) |")
+    if report.shares:
+        lines += ["", "## Decode-local share at w_ttft 1 (x=1 scores > 0 against x=0)", "",
+                  "| family | w_tpot | simulated | measured |", "|---|---|---|---|"]
+        for s in report.shares:
+            lines.append(f"| {s.family} | {s.w_tpot:g} | {_pct(s.simulated)} | {_pct(s.measured)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(simulated: Sequence[PaperPoint], measured: dict[tuple[str, str, float], PaperPoint],
+         path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
+    configs = sorted({p.config for p in simulated})
+    for config in configs:
+        pairs = [(s, measured[(config, s.workload, s.qps)]) for s in simulated
+                 if s.config == config and (config, s.workload, s.qps) in measured]
+        pairs = [(s, m) for s, m in pairs if s.completed and m.completed and not m.crashed]
+        axes[0].scatter([m.turn2.avg_ttft_ms for _, m in pairs], [s.turn2.avg_ttft_ms for s, _ in pairs],
+                        s=12, alpha=0.7, label=config)
+        axes[1].scatter([m.turn2.avg_tpot_ms for _, m in pairs], [s.turn2.avg_tpot_ms for s, _ in pairs],
+                        s=12, alpha=0.7, label=config)
+    for ax, name in ((axes[0], "turn-2 mean TTFT (ms)"), (axes[1], "turn-2 mean TPOT (ms)")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        lo, hi = ax.get_xlim()
+        lo, hi = min(lo, ax.get_ylim()[0]), max(hi, ax.get_ylim()[1])
+        ax.plot([lo, hi], [lo, hi], color="grey", lw=1, ls="--")
+        ax.set_xlabel(f"measured {name}")
+        ax.set_ylabel(f"simulated {name}")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `dynamo-ppd sim fidelity`."""
+    parser.add_argument("--configs", default=",".join(DONE_CONFIGS), metavar="NAMES",
+                        help="comma-separated paper configurations to simulate and compare (default: "
+                        f"{','.join(DONE_CONFIGS)})")
+    add_common_arguments(parser)
+    parser.add_argument("--points", type=Path, metavar="CSV",
+                        help="compare these simulated points (a `sim paper --out` file) instead of "
+                        "simulating again")
+    parser.add_argument("--out", type=Path, metavar="PREFIX",
+                        help="write PREFIX.md, PREFIX.json, PREFIX.png and PREFIX-points.csv "
+                        "(e.g. docs/fidelity)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """`dynamo-ppd sim fidelity`: 0 when the comparison ran, 2 with a one-line error."""
+    try:
+        configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+        measured_points = bundled_points()
+        if args.points is not None:
+            simulated = load_points(args.points)
+            configs = list(dict.fromkeys(p.config for p in simulated))
+        else:
+            specs = [s for c in configs for s in paper_specs(c, args.workloads, args.qps, args.seed)]
+            profile = load_profile(args.profile)
+            link = resolve_link(args.link)
+            if args.jobs < 1:
+                raise ValueError("--jobs must be at least 1")
+    except (ProfileError, PaperDataError, ValueError) as exc:
+        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
+        return 2
+    if args.points is None:
+        simulated = run_points(profile, specs, link, args.jobs, label="sim fidelity")
+        profile_name = profile.name
+    else:
+        profile_name = f"{args.points}"
+    measured = by_key(measured_points)
+    per_config = [compare_config(c, [p for p in simulated if p.config == c], measured) for c in configs]
+    report = FidelityReport(profile_name, args.link, per_config, local_shares(simulated, measured_points))
+    text = markdown(report, "dynamo-ppd " + " ".join(sys.argv[1:]))
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".md").write_text(text)
+        args.out.with_suffix(".json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+        Path(f"{args.out}-points.csv").write_text(points_csv(simulated))
+        plot(simulated, measured, args.out.with_suffix(".png"), f"{profile_name}: simulated vs measured")
+        print(f"wrote {args.out}.md, .json, .png, -points.csv")
+    return 0
