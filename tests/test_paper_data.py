@@ -27,14 +27,15 @@ def test_bundled_data_is_the_papers_grid(points):
     assert crashed and all(p.crashed and not p.completed for p in crashed)
 
 
-def test_config_names():
-    assert pdata.parse_paper_config("4R") == pdata.PaperConfig(replicas=4)
-    assert pdata.parse_paper_config("1R_1P_1D_1pD") == pdata.PaperConfig(1, 1, 1, 1)
-    assert pdata.parse_paper_config("1P_3pD") == pdata.PaperConfig(prefill=1, prefill_capable_decode=3)
+def test_config_names_are_the_simulators_one_parser():
+    from dynamo_ppd.sim.routing import PaperConfig, parse_paper_config
+
+    assert pdata.parse_paper_config is parse_paper_config  # one parser for data and simulation
+    assert parse_paper_config("4R") == PaperConfig("4R", 0, 0, 0, 4)
+    assert parse_paper_config("1R_1P_1D_1pD") == PaperConfig("1R_1P_1D_1pD", 1, 1, 1, 1)
     for bad in ("3D_1P", "1P_1P", "0P_4D", "1X", "", "1P3D"):
         with pytest.raises(ValueError, match="config"):
-            pdata.parse_paper_config(bad)
-
+            parse_paper_config(bad)
 
 
 @pytest.mark.parametrize("column, value, expected", [
@@ -44,7 +45,7 @@ def test_config_names():
     ("turn2_count", "2.5", "turn2_count: '2.5' is not a whole number"),
     ("turn1_avg_ttft_ms", "-1", "turn1_avg_ttft_ms: Expected float >= 0"),
     ("workload", "small_nothing", "workload: 'small_nothing' is not one of the paper's 18"),
-    ("config", "3D_1P", "config: config '3D_1P': parts must be in the order"),
+    ("config", "3D_1P", "config: config '3D_1P' is not like the paper's 1P_3D"),
     ("failed", "99", "failed: 99 > total_requests"),
 ])
 def test_bad_rows_are_named_by_line_and_column(column, value, expected):

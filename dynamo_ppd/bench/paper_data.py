@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import csv
 import io
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
@@ -21,6 +20,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from ..sim.routing import parse_paper_config  # the one parser of the paper's config names
 from .workloads import PAPER_WORKLOADS
 
 BUNDLED_CSV = Path(__file__).parent / "data" / "paper_comprehensive.csv"
@@ -80,35 +80,6 @@ _TURN_FIELDS = ("count", "avg_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "avg_tpot_
 COLUMNS = ("config", "workload", "qps", "success_rate", "total_requests", "failed", "duration_s", "error",
            *(f"turn{n}_{f}" for n in (1, 2) for f in _TURN_FIELDS), "tokens_per_sec")
 _INTS = {"total_requests", "failed", "turn1_count", "turn2_count"}
-
-
-class PaperConfig(msgspec.Struct, frozen=True):
-    """A configuration name of the paper: counts of aggregated replicas (R), prefill-only (P),
-    decode that never prefills (D) and prefill-capable decode (pD) GPUs."""
-
-    replicas: int = 0
-    prefill: int = 0
-    decode: int = 0
-    prefill_capable_decode: int = 0
-
-
-_PART = re.compile(r"^(\d+)(R|P|D|pD)$")
-_ORDER = ("R", "P", "D", "pD")
-
-
-def parse_paper_config(name: str) -> PaperConfig:
-    """``4R``, ``1P_3D``, ``1P_2D_1pD``, ``1R_1P_1D_1pD`` ...: parts joined by ``_`` in the
-    order R, P, D, pD, each kind at most once, counts >= 1. ValueError names what is wrong."""
-    counts: dict[str, int] = {}
-    for part in name.split("_"):
-        m = _PART.match(part)
-        if not m or int(m[1]) < 1:
-            raise ValueError(f"config {name!r}: {part!r} is not a count >= 1 and one of R, P, D, pD")
-        kind = m[2]
-        if kind in counts or any(_ORDER.index(k) > _ORDER.index(kind) for k in counts):
-            raise ValueError(f"config {name!r}: parts must be in the order R, P, D, pD, each once")
-        counts[kind] = int(m[1])
-    return PaperConfig(counts.get("R", 0), counts.get("P", 0), counts.get("D", 0), counts.get("pD", 0))
 
 
 def _row_to_point(row: dict[str, str], where: str) -> PaperPoint:

@@ -187,13 +187,15 @@ class PaperConfig(msgspec.Struct, frozen=True):
 
 def parse_paper_config(name: str) -> PaperConfig:
     """``1P_2D_1pD`` -> PaperConfig(prefill=1, decode=2, prefill_capable_decode=1, replicas=0)."""
-    counts = {"P": 0, "D": 0, "pD": 0, "R": 0}
-    parts = name.strip().split("_")
-    for part in parts:
+    counts = {"R": 0, "P": 0, "D": 0, "pD": 0}
+    order = list(counts)
+    last = -1
+    for part in name.strip().split("_"):
         match = re.fullmatch(r"(\d+)(P|D|pD|R)", part)
-        if match is None or counts[match.group(2)]:
+        if match is None or int(match.group(1)) < 1 or order.index(match.group(2)) <= last:
             raise ValueError(f"config {name!r} is not like the paper's 1P_3D, 1P_2D_1pD, 1R_1P_2D or 4R "
-                             f"(parts <n>P, <n>D, <n>pD, <n>R joined by '_', each at most once)")
+                             f"(parts <n>R, <n>P, <n>D, <n>pD with n >= 1, in that order, joined by '_')")
+        last = order.index(match.group(2))
         counts[match.group(2)] = int(match.group(1))
     decode = counts["D"] + counts["pD"]
     if (counts["P"] == 0) != (decode == 0) or counts["P"] + decode + counts["R"] == 0:
