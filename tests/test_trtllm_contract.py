@@ -68,9 +68,11 @@ def trtllm():
                               merge_yaml=update_llm_args_with_extra_options)
     finally:
         sys.path.remove(str(STUB))
-        for name in set(sys.modules) - before:
-            if name.split(".")[0] in _STUBBED or name.startswith("dynamo.trtllm"):
-                del sys.modules[name]
+        for name in set(sys.modules) - before:  # what may hold the fake torch or TensorRT-LLM
+            module = sys.modules[name]
+            python_source = str(getattr(module, "__file__", "") or "").endswith(".py")
+            if name.split(".")[0] in _STUBBED or (name.startswith("dynamo.") and python_source):
+                del sys.modules[name]  # (compiled extensions cannot be loaded twice: kept)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,36 +261,36 @@ async def _via_prefill_real(trtllm):
     decode, d_llm = await real_worker(trtllm, "decode")
     router = make_router("pd", prefill=prefill, decode=decode)
     chunks = await turn(router, list(PROMPT))
-    return router, chunks, p_llm, d_llm
+    second = await turn(router, PROMPT + tokens_of(chunks) + list(range(3000, 3040)))
+    return router, chunks, second, p_llm, d_llm
 
 
 def test_via_prefill_through_dynamos_prefill_and_decode_handlers(trtllm):
-    router, chunks, p_llm, d_llm = run(_via_prefill_real(trtllm))
+    router, chunks, second, p_llm, d_llm = run(_via_prefill_real(trtllm))
 
     # The prefill leg: the router's max_tokens=1 request, a context-only engine request.
-    [(p_worker, p_request)] = router.clients["prefill"].sent
+    (p_worker, p_request), _ = router.clients["prefill"].sent
     assert p_worker == PREFILL and p_request["stop_conditions"]["max_tokens"] == 1
     assert "prefill_result" not in p_request and p_request["annotations"] == []
-    [p_call] = p_llm.calls
+    p_call, p_call2 = p_llm.calls
     assert p_call.request_type == "context_only" and p_call.streaming is False
     assert p_call.prompt_token_ids == PROMPT
     assert p_call.sampling_params.max_tokens == 1 and p_call.sampling_params.temperature == 0.7
     assert isinstance(p_call.disaggregated_params.disagg_request_id, int)
-    [p_answer] = router.clients["prefill"].answers
-    [p_chunk] = p_answer  # one chunk, with the params and the cache report the router reads
+    [p_chunk] = router.clients["prefill"].answers[0]  # one chunk: params and the cache report
     assert p_chunk["finish_reason"] == "length" and len(p_chunk["token_ids"]) == 1
     assert params_errors(trtllm, p_chunk["disaggregated_params"]) == []
     assert p_chunk["completion_usage"]["prompt_tokens"] == len(PROMPT)
     assert p_chunk["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
     # The decode leg: prefill_result carries the prefill's params and cache report verbatim.
-    [(d_worker, d_request)] = router.clients["decode"].sent
+    (d_worker, d_request), _ = router.clients["decode"].sent
     assert d_worker == DECODE and d_request["stop_conditions"]["max_tokens"] == MAX_TOKENS
     assert d_request["annotations"] == []
     assert d_request["prefill_result"] == {
         "disaggregated_params": p_chunk["disaggregated_params"],
         "prompt_tokens_details": p_chunk["completion_usage"]["prompt_tokens_details"]}
-    [d_call] = d_llm.calls
+    d_call, _ = d_llm.calls
     sent = p_call.result.outputs[0].disaggregated_params
     assert d_call.request_type == "generation_only" and d_call.streaming is True
     assert d_call.disaggregated_params.opaque_state == sent.opaque_state  # bytes again
@@ -310,6 +312,13 @@ def test_via_prefill_through_dynamos_prefill_and_decode_handlers(trtllm):
                                          "total_tokens": len(PROMPT) + MAX_TOKENS,
                                          "prompt_tokens_details": {"cached_tokens": 0}}
     assert "disaggregated_params" not in final
+
+    # The second turn through the prefill worker: the history's full blocks are in its cache, and
+    # its report reaches the client through the decode worker's answer.
+    assert p_call2.request_type == "context_only" and p_call2.result.cached_tokens == len(PROMPT) // 32 * 32
+    assert second[-1]["completion_usage"]["prompt_tokens_details"] == \
+        {"cached_tokens": len(PROMPT) // 32 * 32} == router.clients["prefill"].answers[1][0][
+            "completion_usage"]["prompt_tokens_details"]
 
 
 def test_decode_handler_without_params_or_annotation_is_refused_like_ours(trtllm):
@@ -429,3 +438,12 @@ def test_simulated_worker_answers_in_the_shape_of_dynamos_handlers(trtllm):
     # The prefill leg's params: what Dynamo's decode handler can read back for TensorRT-LLM.
     [ours_prefill] = ours["prefill leg"]
     assert params_errors(trtllm, ours_prefill["disaggregated_params"]) == []
+
+    async def read_back():
+        decode, _ = await real_worker(trtllm, "decode")
+        prefill_result = {"disaggregated_params": wire(ours_prefill["disaggregated_params"])}
+        return decode._decode_disaggregated_params_from_prefill(prefill_result)[0]
+
+    params = run(read_back())
+    assert params.request_type == "generation_only" and isinstance(params.opaque_state, bytes)
+    assert params.first_gen_tokens == ours_prefill["token_ids"]
