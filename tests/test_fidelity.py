@@ -77,3 +77,18 @@ def test_fidelity_counts_errors_and_disagreements(tmp_path):
     first = saved["configs"][0]
     assert first["config"] == "4R" and first["success_agreement"] == pytest.approx(0.9)
     assert (tmp_path / "fid.png").stat().st_size > 10_000 and "| 4R |" in (tmp_path / "fid.md").read_text()
+
+
+def test_each_fitted_constant_reports_its_residual_on_its_own_points():
+    measured = bundled_points()
+    index = by_key(measured)
+    five = [p for p in measured if p.config in fidelity.DONE_CONFIGS]
+    rows = fidelity._residual_rows(five, index, PROFILE)
+    assert {r.constant for r in rows} >= {"stack.request_overhead_s", "stack.handoff_overhead_s",
+                                          "cost.gemm_flops_efficiency", "cost.per_sequence_overhead_s"}
+    assert all(r.points > 0 and r.median_residual == 0.0 for r in rows)  # the data against itself
+    shifted = [msgspec.structs.replace(p, turn1=msgspec.structs.replace(
+        p.turn1, avg_ttft_ms=p.turn1.avg_ttft_ms - 5)) for p in five]
+    request = next(r for r in fidelity._residual_rows(shifted, index, PROFILE)
+                   if r.constant == "stack.request_overhead_s")
+    assert request.median_residual == pytest.approx(5.0) and request.value == PROFILE.stack.request_overhead_s

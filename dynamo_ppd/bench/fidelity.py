@@ -26,7 +26,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from ..engine.profile import ProfileError, load_profile
+from ..engine.profile import EngineProfile, ProfileError, load_profile
 from .paper import add_common_arguments, paper_specs, points_csv, resolve_link, run_points
 from .paper_data import (
     MEASURED_FAMILIES,
@@ -67,11 +67,72 @@ class ShareRow(msgspec.Struct, frozen=True):
     measured: float | None
 
 
+class Residual(msgspec.Struct, frozen=True):
+    """How well one fitted constant of the profile explains the points it was fitted on."""
+
+    constant: str
+    value: float
+    fitted_on: str
+    points: int
+    median_residual: float | None  # measured - simulated, in ``unit``
+    unit: str
+
+
 class FidelityReport(msgspec.Struct, frozen=True):
     profile: str
     link: str
     configs: list[ConfigFidelity]
     shares: list[ShareRow]
+    residuals: list[Residual] = []
+
+
+# Each fitted constant of a stack profile, and the points whose residual it sets: low load
+# (no queueing, <= 2 conv/s), on the pure configurations whose requests all take one route.
+_LOW_LOAD_QPS = 2.0
+
+
+def _residual_rows(simulated: Sequence[PaperPoint], measured: dict[tuple[str, str, float], PaperPoint],
+                   profile: EngineProfile | None) -> list[Residual]:
+    def pairs(config: str, t1: str, low: bool = True) -> list[tuple[PaperPoint, PaperPoint]]:
+        out = []
+        for sim in simulated:
+            meas = measured.get((sim.config, sim.workload, sim.qps))
+            if (sim.config == config and sim.workload.startswith(t1 + "_") and meas is not None
+                    and (sim.qps <= _LOW_LOAD_QPS) == low and sim.completed and meas.completed
+                    and not meas.crashed):
+                out.append((sim, meas))
+        return out
+
+    def median(values: list[float]) -> float | None:
+        return float(np.median(values)) if values else None
+
+    if profile is None:
+        return []
+    cost, stack, link = profile.cost, profile.stack, profile.transfer
+    rows = []
+
+    def add(constant: str, value: float, fitted_on: str, values: list[float], unit: str = "ms") -> None:
+        rows.append(Residual(constant, value, fitted_on, len(values), median(values), unit))
+
+    add("stack.request_overhead_s", stack.request_overhead_s, "4R, small T1: turn-1 mean TTFT",
+        [m.turn1.avg_ttft_ms - s.turn1.avg_ttft_ms for s, m in pairs("4R", "small")])
+    add("cost.gemm_flops_efficiency", cost.gemm_flops_efficiency, "4R, large T1: turn-1 mean TTFT",
+        [m.turn1.avg_ttft_ms - s.turn1.avg_ttft_ms for s, m in pairs("4R", "large")])
+    add("stack.handoff_overhead_s", stack.handoff_overhead_s, "1P_3D, small T1: turn-1 mean TTFT",
+        [m.turn1.avg_ttft_ms - s.turn1.avg_ttft_ms for s, m in pairs("1P_3D", "small")])
+    add("transfer.link_bandwidth_bytes_s", link.link_bandwidth_bytes_s, "1P_3D, large T1: turn-2 mean TTFT",
+        [m.turn2.avg_ttft_ms - s.turn2.avg_ttft_ms for s, m in pairs("1P_3D", "large")])
+    add("stack.decode_local_overhead_s", stack.decode_local_overhead_s, "1P_3pD: turn-2 mean TTFT",
+        [m.turn2.avg_ttft_ms - s.turn2.avg_ttft_ms for t1 in ("small", "large")
+         for s, m in pairs("1P_3pD", t1)])
+    add("cost.iteration_overhead_s", cost.iteration_overhead_s, "all five configs: turn-2 mean TPOT",
+        [m.turn2.avg_tpot_ms - s.turn2.avg_tpot_ms for c in DONE_CONFIGS for t1 in ("small", "large")
+         for s, m in pairs(c, t1)])
+    add("cost.per_sequence_overhead_s", cost.per_sequence_overhead_s,
+        f"all five configs above {_LOW_LOAD_QPS:g} conv/s: turn-2 mean TPOT",
+        [m.turn2.avg_tpot_ms - s.turn2.avg_tpot_ms for c in DONE_CONFIGS for t1 in ("small", "large")
+         for s, m in pairs(c, t1, low=False)])
+    return [r for r in rows if r.points]
 
 
 def _spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
@@ -161,6 +222,14 @@ def markdown(report: FidelityReport, command: str) -> str:
                      f"{_pct(c.ttft.p90_rel_error)} (n={c.ttft.points}) | {_num(c.ttft.spearman)} | "
                      f"{_pct(c.tpot.median_rel_error)} / {_pct(c.tpot.p90_rel_error)} (n={c.tpot.points}) | "
                      f"{_num(c.tpot.spearman)} | {_pct(c.success_agreement)} (n={c.success_points}) |")
+    if report.residuals:
+        lines += ["", "## Fitted constants of the stack and their residuals", "",
+                  f"Residual = measured - simulated, median over the points each constant is fitted on "
+                  f"(<= {_LOW_LOAD_QPS:g} conv/s unless stated, where nothing queues).", "",
+                  "| constant | value | fitted on | points | median residual |", "|---|---|---|---|---|"]
+        for r in report.residuals:
+            lines.append(f"| `{r.constant}` | {r.value:g} | {r.fitted_on} | {r.points} | "
+                         f"{_num(r.median_residual, 1)} {r.unit} |")
     if report.shares:
         lines += ["", "## Decode-local share at w_ttft 1 (x=1 scores > 0 against x=0)", "",
                   "| family | w_tpot | simulated | measured |", "|---|---|---|---|"]
@@ -233,14 +302,17 @@ def main(args: argparse.Namespace) -> int:
     except (ProfileError, PaperDataError, ValueError) as exc:
         print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
         return 2
+    fitted: EngineProfile | None = None
     if args.points is None:
         simulated = run_points(profile, specs, link, args.jobs, label="sim fidelity")
         profile_name = profile.name
+        fitted = profile if profile.stack.request_overhead_s > 0 and args.link == "profile" else None
     else:
         profile_name = f"{args.points}"
     measured = by_key(measured_points)
     per_config = [compare_config(c, [p for p in simulated if p.config == c], measured) for c in configs]
-    report = FidelityReport(profile_name, args.link, per_config, local_shares(simulated, measured_points))
+    report = FidelityReport(profile_name, args.link, per_config, local_shares(simulated, measured_points),
+                            _residual_rows(simulated, measured, fitted))
     text = markdown(report, "dynamo-ppd " + " ".join(sys.argv[1:]))
     print(text)
     if args.out is not None:
