@@ -146,6 +146,10 @@ class ProfilePredictor:
         self.kv_bytes_per_token = profile.model.kv_bytes_per_token
         self.link_bandwidth = profile.transfer.link_bandwidth_bytes_s
         self.transfer_setup_s = profile.transfer.transfer_setup_s
+        # The stack's fixed costs that differ between the routes (the request overhead is paid
+        # by both and cancels out of the comparison).
+        self.handoff_s = profile.stack.handoff_overhead_s
+        self.decode_local_s = profile.stack.decode_local_overhead_s
 
     def _decode_step_s(self, load: WorkerLoad, prompt_tokens: int) -> float:
         return self.cost.iteration(load.decode_requests + 1, load.decode_kv_tokens + prompt_tokens).total_s
@@ -159,7 +163,8 @@ class ProfilePredictor:
         uncached_p = max(1, f.prompt_tokens - f.cached_on_prefill)
         prefill_s = self.cost.iteration(0, 0, [PrefillChunk(uncached_p, f.cached_on_prefill, True)]).total_s
         transfer_s = self.transfer_setup_s + f.prompt_tokens * self.kv_bytes_per_token / self.link_bandwidth
-        via_prefill = Prediction(ttft_s=queued + prefill_s + transfer_s + decode_step / 2, tpot_s=decode_step)
+        via_prefill = Prediction(ttft_s=queued + prefill_s + self.handoff_s + transfer_s + decode_step / 2,
+                                 tpot_s=decode_step)
 
         load = f.decode_load
         decode_step = self._decode_step_s(load, f.prompt_tokens)
@@ -169,7 +174,7 @@ class ProfilePredictor:
         outputs = max(1, f.expected_output_tokens)
         # Arriving mid-iteration, the append waits half a decode step on average, then whatever
         # prompt tokens are queued on the decode worker before it.
-        local = Prediction(ttft_s=decode_step / 2 + self._queue_s(load) + append,
+        local = Prediction(ttft_s=self.decode_local_s + decode_step / 2 + self._queue_s(load) + append,
                            tpot_s=decode_step + extra / outputs)
         return local, via_prefill
 

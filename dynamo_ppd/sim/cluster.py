@@ -125,9 +125,9 @@ class Cluster:
         self.profile = profile
         self.stack = profile.stack
         self.kv_bytes_per_token = profile.model.kv_bytes_per_token
-        link = link or profile.transfer
-        bandwidth = link.link_bandwidth_bytes_s if link_bandwidth_bytes_s is None else link_bandwidth_bytes_s
-        setup_s = link.transfer_setup_s
+        constants = link or profile.transfer
+        bandwidth = constants.link_bandwidth_bytes_s if link_bandwidth_bytes_s is None else link_bandwidth_bytes_s
+        setup_s = constants.transfer_setup_s
         self.workers: dict[str, Worker] = {}
         index = itertools.count()
         for role, count in ((Role.PREFILL, num_prefill), (Role.DECODE, num_decode),
@@ -136,8 +136,8 @@ class Cluster:
                 worker_id = f"{_ID_PREFIX[role]}{i}"
                 # Distinct seeds: P and D must not sample the same tokens for the same request id.
                 config = EngineConfig(seed=seed * 1_000_003 + next(index), capacity_blocks=capacity_blocks)
-                link = TransferLink(bandwidth, setup_s) if role is Role.PREFILL else None
-                self.workers[worker_id] = Worker(worker_id, role, Engine(profile, config), link)
+                outgoing = TransferLink(bandwidth, setup_s) if role is Role.PREFILL else None
+                self.workers[worker_id] = Worker(worker_id, role, Engine(profile, config), outgoing)
         self.block_size = profile.engine.block_size
         self.now = 0.0
         self.sessions: dict[str, str] = {}  # conversation id -> worker that decoded its last turn
