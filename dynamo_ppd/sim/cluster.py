@@ -126,7 +126,7 @@ class Cluster:
         self.stack = profile.stack
         self.kv_bytes_per_token = profile.model.kv_bytes_per_token
         constants = link or profile.transfer
-        bandwidth = constants.link_bandwidth_bytes_s if link_bandwidth_bytes_s is None else link_bandwidth_bytes_s
+        bandwidth = link_bandwidth_bytes_s or constants.link_bandwidth_bytes_s
         setup_s = constants.transfer_setup_s
         self.workers: dict[str, Worker] = {}
         index = itertools.count()
