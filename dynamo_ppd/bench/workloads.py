@@ -37,6 +37,7 @@ from dynamo_ppd.bench.manifest import (
     to_sim,
 )
 from dynamo_ppd.sim import workload as sim
+from dynamo_ppd.sim.outcome import PAPER_TIMEOUT_S  # the one definition of the paper's timeout
 
 _Z = NormalDist()
 TurnPlan = Callable[[random.Random], list[ManifestTurn]]
@@ -136,7 +137,7 @@ PAPER_QPS: tuple[float, ...] = (0.5, 1, 2, 4, 6, 8, 10, 12, 16, 20)
 """The rates of every workload, in conversations per second."""
 PAPER_ARRIVAL_WINDOW_S = 10.0
 PAPER_TURNS = 2
-PAPER_REQUEST_TIMEOUT_S = 120.0  # per request (aiohttp total timeout; includes waiting for a connection)
+PAPER_REQUEST_TIMEOUT_S = PAPER_TIMEOUT_S  # per request (aiohttp total: includes waiting for a connection)
 PAPER_KILL_AFTER_S = 600.0  # a point still running this long after its start is abandoned (0% success)
 PAPER_MAX_CONNECTIONS = 50
 """The client's connection pool (``aiohttp.TCPConnector(limit=50)``): at most 50 requests in
