@@ -30,7 +30,8 @@ from ..engine.profile import EngineProfile, ProfileError, TransferConstants, lin
 from ..policy.build import Progress  # the one progress bar (shared with table builds)
 from ..sim import Cluster, simulate
 from ..sim.outcome import PAPER_TIMEOUT_S, paper_columns
-from ..sim.routing import paper_proxy_router, parse_paper_config
+from ..sim.routing import Router, paper_proxy_router, parse_paper_config
+from ..sim.run import SimResult
 from .paper_data import COLUMNS, PaperPoint, point_from_columns
 from .workloads import PAPER_KILL_AFTER_S, PAPER_MAX_CONNECTIONS, PAPER_QPS, PAPER_WORKLOADS, paper_workload
 
@@ -46,15 +47,25 @@ class PointSpec(msgspec.Struct, frozen=True):
     seed: int = 0
 
 
-def run_point(profile: EngineProfile, spec: PointSpec, link: TransferConstants | None = None) -> PaperPoint:
-    """One point of the authors' protocol on the simulated cluster, as the columns of their CSV."""
-    config = parse_paper_config(spec.config)
+def run_protocol(profile: EngineProfile, cluster_config: str, router: Router, workload: str, qps: float,
+                 seed: int = 0, link: TransferConstants | None = None,
+                 link_bandwidth_bytes_s: float | None = None) -> SimResult:
+    """One (workload, QPS) point of the authors' protocol with any router: their arrivals and two
+    turns, their client (history sent as text, 50 connections, 120 s timeout) and the 600 s cut.
+    A router that learns from outcomes (``on_finish``) sees every finished turn."""
     conversations = [msgspec.structs.replace(c, history_as_text=True)
-                     for c in paper_workload(spec.workload, spec.qps, spec.seed)]
-    cluster = Cluster.from_config(profile, config.cluster_config, seed=spec.seed, link=link)
-    result = simulate(cluster, conversations, paper_proxy_router(config, spec.seed),
-                      until_s=PAPER_KILL_AFTER_S, timeout_s=PAPER_TIMEOUT_S,
-                      max_connections=PAPER_MAX_CONNECTIONS)
+                     for c in paper_workload(workload, qps, seed)]
+    cluster = Cluster.from_config(profile, cluster_config, seed=seed, link=link,
+                                  link_bandwidth_bytes_s=link_bandwidth_bytes_s)
+    return simulate(cluster, conversations, router, until_s=PAPER_KILL_AFTER_S, timeout_s=PAPER_TIMEOUT_S,
+                    max_connections=PAPER_MAX_CONNECTIONS, on_finish=getattr(router, "on_finish", None))
+
+
+def run_point(profile: EngineProfile, spec: PointSpec, link: TransferConstants | None = None) -> PaperPoint:
+    """One point of one of the paper's configurations, placed by their proxy, as their CSV's columns."""
+    config = parse_paper_config(spec.config)
+    result = run_protocol(profile, config.cluster_config, paper_proxy_router(config, spec.seed),
+                          spec.workload, spec.qps, spec.seed, link)
     return point_from_columns(spec.config, spec.workload, spec.qps, paper_columns(result.outcome()))
 
 
