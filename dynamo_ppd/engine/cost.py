@@ -6,7 +6,9 @@ kernel classes that run one after another in each layer:
 - GEMMs (QKV/O projections, MLP, and the LM head for sampled positions): the larger of streaming
   the weights from HBM and doing 2 FLOPs per weight per token. At small batches this is weight-
   bound (~5 ms for Llama-3.1-8B on H100), at large token counts compute-bound.
-- Decode attention: each decoding sequence reads its whole KV cache (memory-bound).
+- Decode attention: each decoding sequence reads its whole KV cache (memory-bound). With vLLM's
+  cascade attention (a profile flag; see `vllm_uses_cascade`) a prefix common to the whole batch
+  is read once by one kernel for all query tokens, and each sequence reads only the rest.
 - Prefill attention: new tokens attend to their cached context and to each other, the larger of
   reading that KV and doing the FLOPs (compute-bound for long prompts: quadratic).
 - A fixed per-iteration overhead (scheduling, sampling, launch), plus a host cost per sequence
@@ -20,9 +22,39 @@ m*(n+m/2) attention pairs, whereas a full prefill of n+m tokens adds n+m tokens 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .profile import EngineProfile
+
+# vLLM V1's thresholds for cascade attention (vllm/v1/attention/backends/flash_attn.py,
+# `use_cascade_attention`, in the authors' fork freelulul/vllm-ppd at d6d4efb3, which vendors
+# upstream vLLM main at b95d054d of 2025-12-18 with no change under vllm/v1/): "arbitrary"
+# thresholds by vLLM's own comments.
+CASCADE_MIN_PREFIX_TOKENS = 256
+CASCADE_MIN_REQUESTS = 8
+CASCADE_TILE = 128  # flash-attn's default query and KV tile sizes in the CTA-count rule
+
+
+def vllm_uses_cascade(common_prefix_tokens: int, num_requests: int, all_decode: bool,
+                      num_query_heads: int, num_kv_heads: int, num_sms: int) -> bool:
+    """vLLM's `use_cascade_attention` for a full-attention model without ALiBi, sliding window or
+    decode context parallelism (Llama): a common prefix of at least 256 tokens, at least 8
+    requests scheduled; then, if the normal path would be FlashDecoding (grouped-query attention
+    and every request decoding one token), only when the cascade's prefix kernel needs fewer
+    waves of CTAs than FlashDecoding's split-KV launch; otherwise (any prefill in the batch, or
+    no GQA) always."""
+    if common_prefix_tokens < CASCADE_MIN_PREFIX_TOKENS or num_requests < CASCADE_MIN_REQUESTS:
+        return False
+    queries_per_kv = num_query_heads // num_kv_heads
+    if not (queries_per_kv > 1 and all_decode):
+        return True
+    prefix_tiles = math.ceil(common_prefix_tokens / CASCADE_TILE)
+    cascade_waves = math.ceil(num_query_heads * math.ceil(num_requests / CASCADE_TILE) / num_sms)
+    cascade_time = cascade_waves * prefix_tiles
+    flash_decoding_ctas = (num_requests * num_kv_heads * math.ceil(queries_per_kv / CASCADE_TILE)
+                           * prefix_tiles)
+    return cascade_time < math.ceil(flash_decoding_ctas / num_sms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +71,9 @@ class IterationCost:
     gemm_s: float
     decode_attention_s: float
     prefill_attention_s: float
+    # Cascade attention's first kernel: every query token against the batch's common prefix,
+    # whose KV is read once (the two attention terms above then cover only each suffix).
+    shared_prefix_attention_s: float = 0.0
 
 
 class CostModel:
@@ -59,9 +94,14 @@ class CostModel:
         self.attention_flops_per_pair = model.attention_flops_per_pair
 
     def iteration(self, num_decode: int, decode_context_tokens: int,
-                  prefill: tuple[PrefillChunk, ...] | list[PrefillChunk] = ()) -> IterationCost:
+                  prefill: tuple[PrefillChunk, ...] | list[PrefillChunk] = (),
+                  shared_prefix_tokens: int = 0) -> IterationCost:
         """Time of one iteration with ``num_decode`` decoding sequences that together attend to
-        ``decode_context_tokens`` cached tokens, plus the given prefill chunks."""
+        ``decode_context_tokens`` cached tokens, plus the given prefill chunks.
+
+        ``shared_prefix_tokens`` > 0: cascade attention over a prefix of that many tokens that
+        every scheduled sequence (decoding or prefilling) has in its cached context; the caller
+        decides (`vllm_uses_cascade`) and guarantees each context holds it."""
         if num_decode == 0 and not prefill:
             return IterationCost(0.0, 0.0, 0.0, 0.0, 0.0)
         tokens = num_decode + sum(c.new_tokens for c in prefill)
@@ -70,17 +110,30 @@ class CostModel:
                           + self.lm_head_flops_per_sample * samples) / self.gemm_flops
         weights_s = self.weight_stream_s - (0.0 if samples else self.lm_head_stream_s)
         gemm_s = max(weights_s, gemm_compute_s)
+        shared = shared_prefix_tokens
+        shared_prefix_attention_s = 0.0
+        if shared:
+            # One non-causal kernel: all query tokens of the batch against the prefix, its KV
+            # read once; then the per-sequence kernel reads only what follows the prefix.
+            shared_prefix_attention_s = self._attention_s(shared, tokens * shared)
+            decode_context_tokens -= num_decode * shared
         # Decode attention: one query per sequence over its cache; bytes dominate FLOPs.
-        decode_attention_s = max(decode_context_tokens * self.kv_bytes_per_token / self.bandwidth,
-                                 decode_context_tokens * self.attention_flops_per_pair / self.attention_flops)
+        decode_attention_s = self._attention_s(decode_context_tokens, decode_context_tokens)
         prefill_attention_s = 0.0
         for chunk in prefill:
-            pairs = chunk.new_tokens * (chunk.context_tokens + chunk.new_tokens / 2)
-            read_s = (chunk.context_tokens + chunk.new_tokens) * self.kv_bytes_per_token / self.bandwidth
-            prefill_attention_s += max(read_s, pairs * self.attention_flops_per_pair / self.attention_flops)
+            context = chunk.context_tokens - shared
+            pairs = chunk.new_tokens * (context + chunk.new_tokens / 2)
+            prefill_attention_s += self._attention_s(context + chunk.new_tokens, pairs)
         overhead_s = self.overhead_s + self.per_sequence_s * (num_decode + len(prefill))
-        total = overhead_s + gemm_s + decode_attention_s + prefill_attention_s
-        return IterationCost(total, overhead_s, gemm_s, decode_attention_s, prefill_attention_s)
+        total = overhead_s + gemm_s + decode_attention_s + prefill_attention_s + shared_prefix_attention_s
+        return IterationCost(total, overhead_s, gemm_s, decode_attention_s, prefill_attention_s,
+                             shared_prefix_attention_s)
+
+    def _attention_s(self, kv_tokens_read: float, pairs: float) -> float:
+        """An attention kernel's roofline: reading ``kv_tokens_read`` tokens' KV from HBM against
+        the FLOPs of ``pairs`` query-key pairs."""
+        return max(kv_tokens_read * self.kv_bytes_per_token / self.bandwidth,
+                   pairs * self.attention_flops_per_pair / self.attention_flops)
 
 
 class TransferLink:

@@ -112,6 +112,13 @@ class KvCache:
     def cached_hashes(self) -> set[int]:
         return set(self._blocks)
 
+    def holders(self, h: int) -> int:
+        """How many sequences hold cached block ``h`` (0 if it is not cached). A sequence holds
+        a contiguous chain of blocks from the start, so along one sequence's blocks this never
+        grows."""
+        block = self._blocks.get(h)
+        return block.ref_count if block is not None else 0
+
     # -- hashing ---------------------------------------------------------------------------------
     def prefix_hashes(self, tokens: list[int]) -> list[int]:
         """Chained ids of the full blocks of ``tokens``."""

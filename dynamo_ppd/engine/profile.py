@@ -90,6 +90,18 @@ class EngineLimits(msgspec.Struct, forbid_unknown_fields=True):
     max_num_tokens: PositiveInt = 8192
     free_gpu_memory_fraction: Fraction = 0.9
     runtime_reserved_bytes: Annotated[int, msgspec.Meta(ge=0)] = 3_000_000_000
+    # vLLM V1's cascade attention: while every request holding KV blocks shares a cached prefix,
+    # the attention reads that prefix once for the whole batch instead of once per sequence
+    # (`use_cascade_attention` in vllm/v1/attention/backends/flash_attn.py, the common prefix
+    # from `get_num_common_prefix_blocks` in vllm/v1/core/kv_cache_manager.py; on by default
+    # unless --disable-cascade-attn). The heuristic is in `engine.cost.vllm_uses_cascade`.
+    # Off for TensorRT-LLM: its attention reads every sequence's KV through its own block
+    # table; its only cascade kernel (PR #14396, NVIDIA/TensorRT-LLM, 2026-05) is for the beams
+    # of one request in beam search and off by default (TRTLLM_ENABLE_CASCADE_MMHA).
+    cascade_attention: bool = False
+    # Streaming multiprocessors of the GPU, for vLLM's cascade-vs-FlashDecoding kernel-count
+    # rule (its model runner takes torch.cuda's multi_processor_count): 132 on H100/H200 SXM.
+    gpu_sm_count: PositiveInt = 132
 
 
 class TransferConstants(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -12,6 +12,9 @@ Scheduling, as TensorRT-LLM's (GUARANTEED_NO_EVICT capacity scheduler, chunked c
 2. Each iteration, every decoding request generates one token; then prefill (context) requests,
    in admission order, take chunks of the remaining ``max_num_tokens`` budget, each chunk a
    multiple of the block size unless it finishes the prompt.
+3. With the profile's ``cascade_attention`` (vLLM V1's), the iteration is priced with the prefix
+   of cached blocks that every admitted request holds, when vLLM's heuristic would use it
+   (`_cascade_prefix_tokens`).
 
 Request kinds, as TensorRT-LLM's ``request_type``:
 - ``context_only`` (a prefill worker): compute the prompt (reusing cached blocks), sample one
@@ -31,7 +34,14 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from .cost import CostModel, IterationCost, PrefillChunk
+from .cost import (
+    CASCADE_MIN_PREFIX_TOKENS,
+    CASCADE_MIN_REQUESTS,
+    CostModel,
+    IterationCost,
+    PrefillChunk,
+    vllm_uses_cascade,
+)
 from .kv_cache import BlockHasher, CacheFull, KvCache, KvEvent, SequenceKv
 from .profile import EngineProfile
 
@@ -104,6 +114,7 @@ class Iteration:
     prefill: list[tuple[EngineRequest, int]]  # (request, tokens computed in this iteration)
     cost: IterationCost
     started_at: float
+    shared_prefix_tokens: int = 0  # cascade attention's common prefix (0: not used)
 
     @property
     def duration_s(self) -> float:
@@ -145,6 +156,8 @@ class Engine:
         self.max_batch_size = limits.max_batch_size
         self.max_num_tokens = limits.max_num_tokens
         self.cost_model = CostModel(profile)
+        self.cascade_attention = limits.cascade_attention
+        self.cascade_iterations = 0  # iterations priced with cascade attention
         self.cache = KvCache(self.config.capacity_blocks or profile.kv_capacity_blocks(),
                              self.block_size, hasher)
         self._waiting: deque[EngineRequest] = deque()
@@ -217,15 +230,17 @@ class Engine:
             budget -= chunk
         if not decode and not prefill:
             return outputs, None
+        shared = self._cascade_prefix_tokens(decode, prefill) if self.cascade_attention else 0
         cost = self.cost_model.iteration(
             len(decode), sum(r.kv.kv_tokens for r in decode),
-            [PrefillChunk(n, r.computed_tokens, n == r.prompt_remaining) for r, n in prefill])
-        return outputs, Iteration(decode, prefill, cost, now)
+            [PrefillChunk(n, r.computed_tokens, n == r.prompt_remaining) for r, n in prefill], shared)
+        return outputs, Iteration(decode, prefill, cost, now, shared)
 
     def finish(self, iteration: Iteration, now: float) -> list[TokenOutput]:
         """Apply an iteration that ended at ``now``: tokens computed, sampled, requests done."""
         self.iterations += 1
         self.busy_s += iteration.duration_s
+        self.cascade_iterations += iteration.shared_prefix_tokens > 0
         outputs: list[TokenOutput] = []
         for request in iteration.decode:
             if request.phase is not Phase.DECODE:  # cancelled meanwhile
@@ -267,6 +282,48 @@ class Engine:
     # -- internals -------------------------------------------------------------------------------
     def _blocks_needed(self, request: EngineRequest) -> int:
         return math.ceil((request.prompt_tokens + request.max_tokens) / self.block_size)
+
+    def _cascade_prefix_tokens(self, decode: list[EngineRequest],
+                               prefill: list[tuple[EngineRequest, int]]) -> int:
+        """The common prefix vLLM's cascade attention would use this iteration, in tokens (0: off).
+
+        As vLLM V1 (freelulul/vllm-ppd at d6d4efb3 = upstream main b95d054d): its scheduler counts
+        the leading blocks of one running request whose ref_cnt equals the number of requests
+        holding KV blocks (`get_num_common_prefix_blocks`, vllm/v1/core/single_type_kv_cache_
+        manager.py), i.e. blocks held by ALL of them, scheduled this step or not: one request
+        that does not share the prefix (a fresh prompt) makes it 0. The model runner caps it at
+        the fewest tokens any scheduled request has computed, in whole blocks
+        (`_compute_cascade_attn_prefix_len`, vllm/v1/worker/gpu_model_runner.py), and the
+        attention backend's heuristic decides (`vllm_uses_cascade`).
+
+        vLLM walks the blocks one by one; since a block's holders also hold every block before
+        it, the count never grows along the chain, so a binary search finds the same prefix in
+        O(log blocks) lookups, after an O(1) exit when even vLLM's 256 tokens are not shared."""
+        num_requests = len(decode) + len(prefill)
+        if num_requests < CASCADE_MIN_REQUESTS:
+            return 0
+        holders = len(self._running)  # admitted requests hold KV blocks (vLLM: req_to_blocks)
+        blocks = self._running[0].kv.hashes
+        shared = -(-CASCADE_MIN_PREFIX_TOKENS // self.block_size)  # blocks known to be common
+        if len(blocks) < shared or self.cache.holders(blocks[shared - 1]) != holders:
+            return 0
+        not_shared = len(blocks) + 1  # the first block count known not to be common
+        while not_shared - shared > 1:
+            mid = (shared + not_shared) // 2
+            if self.cache.holders(blocks[mid - 1]) == holders:
+                shared = mid
+            else:
+                not_shared = mid
+        tokens = shared * self.block_size
+        # Decoding requests hold only blocks they have computed, so only a prefill can be behind
+        # the common blocks: a prompt cached whole still computes its last token.
+        for request, _ in prefill:
+            tokens = min(tokens, request.computed_tokens // self.block_size * self.block_size)
+        model = self.profile.model
+        if not vllm_uses_cascade(tokens, num_requests, not prefill, model.num_attention_heads,
+                                 model.num_kv_heads, self.profile.engine.gpu_sm_count):
+            return 0
+        return tokens
 
     def _admit(self, now: float) -> None:
         while self._waiting and len(self._running) < self.max_batch_size:
