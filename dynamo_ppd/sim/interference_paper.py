@@ -19,6 +19,10 @@ at commit d6d4efb3, the commit whose ``ppd/results/interference/*.json`` are our
 - Prompts were random lowercase words sized at 4 characters per token; the Llama-3 tokenizer
   makes more tokens of them than nominal (the authors' later revision truncates with the real
   tokenizer), so the measured contexts are longer than the 2048/1024/128 the model is given.
+- The server is one vLLM V1 engine with prefix caching and (by default) cascade attention: every
+  decode request and every append shares the warmed context, a full prefill does not. On the
+  engine model that is the paper-stack profile's ``engine.cascade_attention``; it alone makes
+  the full prefill slow the batch (why and how much: the `interference` module docstring).
 """
 
 from __future__ import annotations
