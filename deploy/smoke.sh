@@ -83,6 +83,7 @@ serve_args=(serve "$GRAPH" --model-dir "$MODEL_DIR" --run-dir "$RUN_DIR" --http-
             --nats-port "$NATS_PORT" --etcd-port "$ETCD_PORT" --ready-timeout 600)
 [ -z "$REPLICAS" ] || serve_args+=(--replicas "$REPLICAS")
 log "dynamo-ppd ${serve_args[*]}  (output: $OUT)"
+: >"$OUT"  # exists before the wait loop reads it (the background job opens it when it starts)
 "$PYTHON" -m dynamo_ppd "${serve_args[@]}" >"$OUT" 2>&1 &
 SERVE_PID=$!
 
