@@ -33,10 +33,12 @@ from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
 from ..policy.table import Weights, bundled_table, load_table, reweight
 from ..sim import Cluster, simulate
-from ..sim.outcome import paper_columns
-from ..sim.routing import local_router, pd_router
+from ..sim.cluster import parse_config
+from ..sim.outcome import PAPER_TIMEOUT_S, paper_columns
+from ..sim.routing import Router, paper_proxy_router, parse_paper_config
 from . import paper_data as pdata
-from .workloads import PAPER_KILL_AFTER_S, PAPER_REQUEST_TIMEOUT_S, PAPER_WORKLOADS, paper_workload
+from .paper import run_protocol
+from .workloads import PAPER_KILL_AFTER_S, PAPER_MAX_CONNECTIONS, PAPER_WORKLOADS, paper_workload
 
 PAPER_PROFILE = "h100-llama3.1-8b-vllm-paper"
 CONFIGS = ("1P3D", "2P2D", "3P1D")
@@ -47,6 +49,9 @@ FIG5_WORKLOAD, FIG5_RATE = "large_small_bal", 1.0
 FIG5_FACTORS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02)
 FIG6_WORKLOADS = ("small_big_paste", "large_mid_paste", "large_huge_paste")  # prefill-heavy
 FIG6_RATE = 4.0
+# Table 3 runs three systems in our router's setting: a subset spanning both T1 and the T2 kinds.
+TABLE3_WORKLOADS = ("small_long_gen", "small_mid_bal", "small_huge_paste",
+                    "large_long_gen", "large_mid_bal", "large_huge_paste")
 FIG6_WEIGHTS = (0.5, 1.0, 2.0, 3.0, 6.0, 12.0)
 SHARE_WEIGHTS = (1.0, 3.0, 6.0, 12.0)
 SYSTEMS = ("x0", "x1", "ppd")
@@ -63,6 +68,9 @@ class Spec(msgspec.Struct, frozen=True):
     seed: int = 0
     bandwidth_bytes_s: float | None = None  # the KV link's bandwidth (None: the profile's)
     w_tpot: float = 1.0  # the policy's weight on TPOT (w_ttft = 1); ppd only
+    # The paper's client sends the history as text, re-tokenized (no cache past turn 1's
+    # prompt); False: token for token, as our router's chat clients (the decode worker holds it).
+    history_as_text: bool = True
 
 
 class Result(msgspec.Struct, frozen=True):
@@ -85,16 +93,36 @@ def ppd_router(profile: EngineProfile, config: str, weights: Weights | None = No
     return PolicyRouter(policy)
 
 
+def paper_config_name(config: str, system: str) -> str:
+    """The paper's name of a configuration run as x=0 (``1P3D`` -> ``1P_3D``) or x=1 (``1P_3pD``)."""
+    prefill, decode, _ = parse_config(config)
+    return f"{prefill}P_{decode}{'D' if system == 'x0' else 'pD'}"
+
+
 def run(spec: Spec) -> Result:
-    """One point in the paper's protocol; its figures from the one outcome summary."""
+    """One point in the paper's protocol, all of it: the authors' arrivals and 2 turns, their
+    client (history sent as text, so a turn-2 prompt re-tokenizes turn 1's output; 50
+    connections; 120 s timeout; 600 s cut), and for x=0/x=1 their proxy's placement on the
+    paper's configuration (`paper_proxy_router`). PPD is our policy on the same cluster.
+    Figures from the one outcome summary, in the measured data's columns."""
     profile = load_profile(spec.profile)
-    cluster = Cluster.from_config(profile, spec.config, seed=spec.seed,
-                                  link_bandwidth_bytes_s=spec.bandwidth_bytes_s)
-    router = {"x0": lambda: pd_router, "x1": lambda: local_router,
-              "ppd": lambda: ppd_router(profile, spec.config, Weights(1.0, spec.w_tpot))}[spec.system]()
-    result = simulate(cluster, paper_workload(spec.workload, spec.qps, spec.seed), router,
-                      until_s=PAPER_KILL_AFTER_S, timeout_s=PAPER_REQUEST_TIMEOUT_S,
-                      on_finish=getattr(router, "on_finish", None))
+    router: Router
+    if spec.system == "ppd":
+        cluster_config = spec.config
+        router = ppd_router(profile, spec.config, Weights(1.0, spec.w_tpot))
+    else:
+        paper = parse_paper_config(paper_config_name(spec.config, spec.system))
+        cluster_config = paper.cluster_config
+        router = paper_proxy_router(paper, spec.seed)
+    if spec.history_as_text:  # the authors' client, exactly (the one definition of it)
+        result = run_protocol(profile, cluster_config, router, spec.workload, spec.qps, spec.seed,
+                              link_bandwidth_bytes_s=spec.bandwidth_bytes_s)
+    else:  # the same protocol with the history token for token, as our router's clients send it
+        cluster = Cluster.from_config(profile, cluster_config, seed=spec.seed,
+                                      link_bandwidth_bytes_s=spec.bandwidth_bytes_s)
+        result = simulate(cluster, paper_workload(spec.workload, spec.qps, spec.seed), router,
+                          until_s=PAPER_KILL_AFTER_S, timeout_s=PAPER_TIMEOUT_S,
+                          max_connections=PAPER_MAX_CONNECTIONS, on_finish=getattr(router, "on_finish", None))
     point = pdata.point_from_columns(f"{spec.config}:{spec.system}", spec.workload, spec.qps,
                                      paper_columns(result.outcome()))
     return Result(point, result.local_share())
@@ -205,13 +233,17 @@ def _wins_table(wins: dict[str, dict[str, int]], n: int, names: dict[str, str]) 
 
 def table3(runner: Runner, profile: str, workloads: Sequence[str], rates: Sequence[float],
            measured: dict[tuple[str, str, float], pdata.PaperPoint]) -> str:
-    specs = [Spec(profile, c, s, w, q) for c in CONFIGS for s in SYSTEMS for w in workloads for q in rates]
-    results = runner(specs, "table 3")
-    groups = [{s: results[Spec(profile, c, s, w, q)].point for s in SYSTEMS}
+    def spec(c: str, s: str, w: str, q: float) -> Spec:
+        return Spec(profile, c, s, w, q, history_as_text=False)
+
+    results = runner([spec(c, s, w, q) for c in CONFIGS for s in SYSTEMS for w in workloads for q in rates],
+                     "table 3")
+    groups = [{s: results[spec(c, s, w, q)].point for s in SYSTEMS}
               for c in CONFIGS for w in workloads for q in rates]
     wins, n = count_wins(groups)
     names = {"x0": "x=0 (PD)", "x1": "x=1 (decode-local)", "ppd": "PPD (our policy, w 1,1)"}
-    lines = ["Simulated, 3 configurations x the workloads x rates above:", "",
+    lines = [f"Simulated in our router's setting, 3 configurations x {', '.join(workloads)} x the "
+             "rates above:", "",
              *_wins_table(wins, n, names), ""]
     every_rate = sorted({k[2] for k in measured})
     for scope, qs, ws in (("the same workloads and rates", rates, workloads),
@@ -227,7 +259,7 @@ def table3(runner: Runner, profile: str, workloads: Sequence[str], rates: Sequen
 def fig5(runner: Runner, profile_name: str, out: Path) -> str:
     base = load_profile(profile_name).transfer.link_bandwidth_bytes_s
     specs = {(system, f): Spec(profile_name, "1P3D", system, FIG5_WORKLOAD, FIG5_RATE,
-                               bandwidth_bytes_s=base * f)
+                               bandwidth_bytes_s=base * f, history_as_text=False)
              for system in ("x0", "ppd") for f in FIG5_FACTORS}
     results = runner(specs.values(), "fig 5")
     series = {label: [results[specs[(system, f)]].point for f in FIG5_FACTORS]
@@ -259,10 +291,11 @@ def fig6(runner: Runner, profile: str, workloads: Sequence[str], rates: Sequence
              "| w_tpot | simulated 1P3D | measured 1P_3D, same points | measured 1P_3D, all 180 points |",
              "|---|---|---|---|"]
     lines += [f"| {w:g} | {_pct(s.share)} | {_pct(m.share)} | {_pct(a.share)} |" for w, s, m, a in implied]
-    specs = {(w, wl): Spec(profile, "1P3D", "ppd", wl, FIG6_RATE, w_tpot=w)
+    specs = {(w, wl): Spec(profile, "1P3D", "ppd", wl, FIG6_RATE, w_tpot=w, history_as_text=False)
              for w in FIG6_WEIGHTS for wl in FIG6_WORKLOADS}
-    base = {wl: Spec(profile, "1P3D", "x0", wl, FIG6_RATE) for wl in FIG6_WORKLOADS}
-    results = runner([*specs.values(), *base.values()], "fig 6 (policy)")
+    base = {wl: Spec(profile, "1P3D", "x0", wl, FIG6_RATE, history_as_text=False) for wl in FIG6_WORKLOADS}
+    as_text = {wl: Spec(profile, "1P3D", "ppd", wl, FIG6_RATE) for wl in FIG6_WORKLOADS}
+    results = runner([*specs.values(), *base.values(), *as_text.values()], "fig 6 (policy)")
     lines += ["", f"Our policy at each weight, on {', '.join(FIG6_WORKLOADS)} at {FIG6_RATE:g} conv/s "
               "(means over the three):", "",
               "| w_tpot | decode-local share | turn-2 TTFT ms | turn-2 TPOT ms |", "|---|---|---|---|"]
@@ -276,6 +309,10 @@ def fig6(runner: Runner, profile: str, workloads: Sequence[str], rates: Sequence
     pd = [results[b].point for b in base.values()]
     lines.append(f"| x=0 (PD) | 0% | {statistics.fmean(p.turn2.avg_ttft_ms for p in pd):.1f} | "
                  f"{statistics.fmean(p.turn2.avg_tpot_ms for p in pd):.2f} |")
+    text = [results[s] for s in as_text.values()]
+    lines.append(f"| 1, the paper's text history | {statistics.fmean(r.local_share for r in text):.0%} | "
+                 f"{statistics.fmean(r.point.turn2.avg_ttft_ms for r in text):.1f} | "
+                 f"{statistics.fmean(r.point.turn2.avg_tpot_ms for r in text):.2f} |")
     _plot_fig6(out / "fig6-frontier.png", implied, policy_rows)
     return "\n".join(lines)
 
@@ -387,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(args.jobs)
     name = args.profile
     t1 = table1(runner, name, args.workloads, args.rates, measured)
-    t3 = table3(runner, name, args.workloads, args.rates, measured)
+    t3_workloads = [w for w in TABLE3_WORKLOADS if w in args.workloads] or args.workloads
+    t3 = table3(runner, name, t3_workloads, args.rates, measured)
     f5 = fig5(runner, name, args.out)
     f6 = fig6(runner, name, args.workloads, args.rates, measured_points, args.out)
     minutes = (time.monotonic() - started) / 60
@@ -413,10 +451,19 @@ from the authors' repository; vLLM, Llama-3.1-8B, one node of 4 H100s, their pro
 
 Both sides use the paper's workloads and protocol (docs/manifest.md): the 18 workloads
 `<T1>_<T2>`, conversations arriving for 10 s at the rate (conversations/s), exactly 2 turns, turn 2
-sent as turn 1 ends, 120 s timeout. Reduced to stay within minutes: rates {rates} conv/s (of the
-paper's ten) and workloads: {workloads}. Latencies are over successful requests, as the data's.
-x=0 is classic PD (turn 2 through a prefill worker; the data's `..D` configurations), x=1 sends
-turn 2 to its decode worker (`..pD`), PPD is our router's policy (table + online correction).
+sent as turn 1 ends, 120 s timeout, a 50-connection client. Reduced to stay within minutes: rates
+{rates} conv/s (of the paper's ten) and workloads: {workloads}. Latencies are over successful
+requests, as the data's. x=0 is classic PD (turn 2 through a prefill worker; the data's `..D`
+configurations), x=1 sends turn 2 to its decode worker (`..pD`), PPD is our router's policy
+(table + online correction).
+
+Two client settings. Table 1 and the implied shares of Fig. 6 run the paper's client exactly:
+the history goes back as text and is re-tokenized, so turn 2 re-prefills turn 1's output on
+either route, and x=0/x=1 are placed by the authors' proxy on the paper's configurations. Table
+3, Fig. 5 and the policy rows of Fig. 6 run our router's setting: the same workloads and
+arrivals, with a chat client whose history the decode worker holds token for token (with the
+paper's text history our policy's eviction guard sends every follow-up via prefill: the last
+row of Fig. 6).
 
 ## Table 1: turn-2 mean TTFT, x=0 -> x=1 (ms, mean over the workloads; change)
 
