@@ -197,7 +197,27 @@ def table1(runner: Runner, profile: str, workloads: Sequence[str], rates: Sequen
         else:
             rows.append(f"| {config} measured | " + " | ".join(["not in the data"] * len(rates)) + " |")
     header = "| configuration | " + " | ".join(f"{q:g} conv/s" for q in rates) + " |"
-    return "\n".join([header, "|---" * (len(rates) + 1) + "|", *rows])
+    success = ["", "Success (% of requests, mean over the workloads; in brackets the workloads with 0%), "
+               "x=0 / x=1:", "", header, "|---" * (len(rates) + 1) + "|"]
+    for config in CONFIGS:
+        sim = [_success_cell([results[Spec(profile, config, s, w, q)].point for w in workloads]
+                             for s in ("x0", "x1")) for q in rates]
+        success.append(f"| {config} simulated | " + " | ".join(sim) + " |")
+        if config in MEASURED:
+            data = [_success_cell([measured[(c, w, q)] for w in workloads] for c in MEASURED[config])
+                    for q in rates]
+            label = f"{MEASURED[config][0]} / {MEASURED[config][1]} measured"
+            success.append(f"| {label} | " + " | ".join(data) + " |")
+    return "\n".join([header, "|---" * (len(rates) + 1) + "|", *rows, *success])
+
+
+def _success_cell(sides: Iterable[list[pdata.PaperPoint]]) -> str:
+    parts = []
+    for points in sides:
+        zero = sum(p.success_rate == 0 for p in points)
+        mean = statistics.fmean(p.success_rate for p in points)
+        parts.append(f"{mean:.0f}" + (f" ({zero})" if zero else ""))
+    return " / ".join(parts)
 
 
 # Metric, how to read it off a point (None: no value, the system loses), better is lower?
