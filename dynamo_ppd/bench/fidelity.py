@@ -122,6 +122,9 @@ def _residual_rows(simulated: Sequence[PaperPoint], measured: dict[tuple[str, st
         [m.turn1.avg_ttft_ms - s.turn1.avg_ttft_ms for s, m in pairs("1P_3D", "small")])
     add("transfer.link_bandwidth_bytes_s", link.link_bandwidth_bytes_s, "1P_3D, large T1: turn-2 mean TTFT",
         [m.turn2.avg_ttft_ms - s.turn2.avg_ttft_ms for s, m in pairs("1P_3D", "large")])
+    add("transfer.transfer_setup_s", link.transfer_setup_s,
+        f"1P_3D, small T1, above {_LOW_LOAD_QPS:g} conv/s: turn-2 mean TTFT (the link's queue)",
+        [m.turn2.avg_ttft_ms - s.turn2.avg_ttft_ms for s, m in pairs("1P_3D", "small", low=False)])
     add("stack.decode_local_overhead_s", stack.decode_local_overhead_s, "1P_3pD: turn-2 mean TTFT",
         [m.turn2.avg_ttft_ms - s.turn2.avg_ttft_ms for t1 in ("small", "large")
          for s, m in pairs("1P_3pD", t1)])
@@ -279,7 +282,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     parser.add_argument("--points", type=Path, metavar="CSV",
                         help="compare these simulated points (a `sim paper --out` file) instead of "
-                        "simulating again")
+                        "simulating again (--profile: the profile they were simulated with)")
     parser.add_argument("--out", type=Path, metavar="PREFIX",
                         help="write PREFIX.md, PREFIX.json, PREFIX.png and PREFIX-points.csv "
                         "(e.g. docs/fidelity)")
@@ -290,25 +293,24 @@ def main(args: argparse.Namespace) -> int:
     try:
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
         measured_points = bundled_points()
+        profile = load_profile(args.profile)
         if args.points is not None:
             simulated = load_points(args.points)
             configs = list(dict.fromkeys(p.config for p in simulated))
         else:
             specs = [s for c in configs for s in paper_specs(c, args.workloads, args.qps, args.seed)]
-            profile = load_profile(args.profile)
             link = resolve_link(args.link)
             if args.jobs < 1:
                 raise ValueError("--jobs must be at least 1")
     except (ProfileError, PaperDataError, ValueError) as exc:
         print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
         return 2
-    fitted: EngineProfile | None = None
     if args.points is None:
         simulated = run_points(profile, specs, link, args.jobs, label="sim fidelity")
         profile_name = profile.name
-        fitted = profile if profile.stack.request_overhead_s > 0 and args.link == "profile" else None
-    else:
-        profile_name = f"{args.points}"
+    else:  # --profile names the profile the points were simulated with
+        profile_name = f"{profile.name} (points from {args.points})"
+    fitted = profile if profile.stack.request_overhead_s > 0 and args.link == "profile" else None
     measured = by_key(measured_points)
     per_config = [compare_config(c, [p for p in simulated if p.config == c], measured) for c in configs]
     report = FidelityReport(profile_name, args.link, per_config, local_shares(simulated, measured_points),
