@@ -548,8 +548,9 @@ DIFFERENCES = """- **Low and middle load agree; the fixed costs are the stack's.
   (the one outcome summary's scoring TPOT); with the `large` T1's 1024-token answers it is
   dominated by turn 1, so a decode-local turn 2's TPOT penalty is diluted: the 1P3D table's
   decode-local cells fall only from 100% to ~94% at w_tpot 12, and on the prefill-heavy mix of
-  Fig. 6's policy rows every follow-up stays decode-local at every weight. The shipped tables are also built for the TensorRT-LLM profile (the
-  router ships tables for its default profile only), not for the paper stack.
+  Fig. 6's policy rows every follow-up stays decode-local at every weight. The shipped tables
+  are also built for the TensorRT-LLM profile (the router ships tables for its default profile
+  only), not for the paper stack.
 - **The paper's client defeats our eviction guard.** Its history goes back as text and is
   re-tokenized, so the decode worker holds only turn 1's prompt of a turn-2 prompt (about half the
   history); our policy's guard (decode-local only if >= 50% of the history is resident) then
