@@ -517,22 +517,24 @@ The measured data has no bandwidth sweep (one NVLink node), so there is nothing 
 """
 
 DIFFERENCES = """- **Low and middle load agree; the fixed costs are the stack's.** At 1-4 conv/s the simulated
-  turn-2 TTFT of x=0 and x=1, and the x=0 -> x=1 change (about -45 to -50%), are close to the
-  measured ones (Table 1). Most of PD's ~120 ms is not compute: it is the paper stack's fitted
-  costs in the profile (the client -> proxy hop, the proxy waiting for P's answer and vLLM's P->D
-  connector), which a TensorRT-LLM deployment does not pay the same way. With the default
+  turn-2 TTFT (x=0 133-139 ms, x=1 68-73 ms) and the x=0 -> x=1 change (-46 to -50%) are close to
+  the measured ones (x=0 116-136, x=1 56-73, -46 to -53%; Table 1). Most of PD's ~130 ms is not
+  compute: it is the paper stack's fitted costs in the profile (the client -> proxy hop, the
+  proxy waiting for P's answer, vLLM's P->D connector), which a TensorRT-LLM deployment does not
+  pay the same way. With the default
   TensorRT-LLM profile (`--profile h100-llama3.1-8b`, the paper's text history, 6 of the
   workloads) the same cells read ~40 -> ~30 ms (-17 to -27%): a cheaper hop and handoff leave
   less for decode-local to save.
-- **The measured PD degrades under load much faster than the simulated one.** On 1P_3D at
-  10 conv/s the measured turn-2 TTFT of x=0 is ~4x its 4-conv/s value (340-2,000 ms per workload),
-  the simulated one rises ~15%: the measured single prefill GPU and its connector queue far more
-  than our prefill worker, whose iterations batch the queued prompts at the modelled prefill
-  speed. We do not know which part of the real path serializes (the proxy's event loop, one NCCL
-  connection per P-D pair, vLLM's scheduler on P); the data cannot separate them.
+- **The measured PD degrades under load faster than the simulated one.** On 1P_3D from 4 to
+  10 conv/s the measured turn-2 TTFT of x=0 grows 4.3x (132 -> 563 ms; 144 to 2,022 ms across
+  the workloads at 10), the simulated one 1.4x (139 -> 195 ms), although the profile queues
+  vLLM's connector per prefill worker: the measured single prefill GPU and its path to the decode
+  GPUs queue far more. We do not know which part of the real path serializes (the proxy's event
+  loop, one NCCL connection per P-D pair, vLLM's scheduler on P); the data cannot separate them.
+  With 2P2D and 3P1D (more prefill GPUs) the simulated PD barely moves with load.
 - **The measured 3P_1D fails where nothing is loaded.** 6 of the 9 `large` workloads have 0%
   success on 3P_1D already at 0.5 conv/s (at most 5 conversations; every turn 1 timed out), and
-  7 of 9 from 10 conv/s; its x=1 twin 3P_1pD never fails. That is a failure of the stack (three
+  7 of 9 from 10 conv/s; its x=1 twin 3P_1pD has no point at 0%. That is a failure of the stack (three
   prefill GPUs pushing 1024-token KV into one decode GPU), not queueing, so no latency model
   reproduces it: the simulation completes every point (success tables). The 1P_3D points at 0%
   (`connection_refused`, a server down) are crashes the data's README says not to model. Such
@@ -542,8 +544,9 @@ DIFFERENCES = """- **Low and middle load agree; the fixed costs are the stack's.
   simulated x=0 wins turn-2 TPOT at almost every point, the measured x=1 wins more often than x=0
   (Table 3; differences there are a few percent, inside a 10-s point's noise). Accordingly the
   decode-local share the simulated points imply falls faster with w_tpot than the measured one
-  (Fig. 6: within a few points at w_tpot 1 and 3, further apart at 6 and 12): the model's append
-  prefill interferes more with the decode batch than vLLM's does on these workloads.
+  (Fig. 6: 100 / 100 / 87 / 81% at w_tpot 1 / 3 / 6 / 12 against 100 / 100 / 98 / 94% measured
+  on the same 54 points and 99 / 99 / 97 / 92% on all 180): the model's append prefill costs the
+  decode batch more than vLLM's does on these workloads.
 - **Our policy barely moves with w_tpot here.** The table's TPOT is the mean over both turns
   (the one outcome summary's scoring TPOT); with the `large` T1's 1024-token answers it is
   dominated by turn 1, so a decode-local turn 2's TPOT penalty is diluted: the 1P3D table's
