@@ -133,8 +133,9 @@ def _add_engine(sub) -> None:
 
 def _add_sim(sub) -> None:
     p = sub.add_parser("sim", help="virtual-clock simulation of the engine model")
-    ssub = p.add_subparsers(dest="sim_command", required=True, metavar="{run,interference,paper,fidelity}")
-    from .bench import fidelity, paper
+    ssub = p.add_subparsers(dest="sim_command", required=True,
+                            metavar="{run,interference,paper,fidelity,compare}")
+    from .bench import fidelity, paper, policies
     from .sim import interference, run
 
     run.add_arguments(ssub.add_parser(
@@ -149,6 +150,10 @@ def _add_sim(sub) -> None:
     fidelity.add_arguments(ssub.add_parser(
         "fidelity", help="simulated vs the paper's measured H100 points: errors, success, decode-local share",
         description=fidelity.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    policies.add_arguments(ssub.add_parser(
+        "compare", help="every P/D policy (ours, the peers', fixed rules) on one simulated cluster: "
+        "wins, ties, losses",
+        description=policies.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def _add_table(sub) -> None:
@@ -290,11 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "engine":
             return _engine(args)
         if args.command == "sim":
-            from .bench import fidelity, paper
+            from .bench import fidelity, paper, policies
             from .sim import interference, run
 
             mains = {"run": run.main, "interference": interference.main, "paper": paper.main,
-                     "fidelity": fidelity.main}
+                     "fidelity": fidelity.main, "compare": policies.main}
             return mains[args.sim_command](args)
         if args.command == "table":
             from .policy import cli as table_cli

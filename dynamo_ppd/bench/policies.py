@@ -1,0 +1,401 @@
+"""`dynamo-ppd sim compare`: every P/D policy on one simulated cluster, and where PPD wins, ties
+and loses.
+
+Each point is (configuration, KV link, workload, rate); every policy runs it on a fresh cluster
+of the same profile and seed, so they see the same conversations. Policies:
+
+- ``x0`` (every turn through a prefill worker), ``x1`` (every follow-up decode-local),
+  ``x0.5`` (half of the follow-ups decode-local, drawn per turn);
+- ``replicas``: the configuration's GPUs as aggregated workers (1P3D -> 4R) with Dynamo's KV
+  router's choice if the peers module provides it, else longest cached prefix;
+- ``hybrid``: one decode GPU turned into a replica (1P3D -> 1R_1P_2D), placed as the paper
+  authors' proxy places conversations;
+- ``ppd@w``: our router's policy (the shipped table for the configuration + online correction)
+  at weights (1, w);
+- every peer of `dynamo_ppd.sim.peers` (Dynamo's conditional disaggregation, llm-d, vLLM's
+  router), each implemented from its own source.
+
+The score of A against B is the paper's, on turn-2+ mean TTFT (a failed follow-up counted at
+the timeout: `Outcome.turn2_ttft_mean_with_timeouts_s`) and turn-2+ mean TPOT:
+``w_ttft (TTFT_B - TTFT_A)/TTFT_B - w_tpot (TPOT_A - TPOT_B)/TPOT_B``; a point where A misses the
+95% success bar and B does not is a loss for A whatever the latencies. A policy's score at a
+point is its score against the best other policy (the minimum over the others); |score| <= 0.02
+is a tie.
+
+Clients here are the router's (a chat template over token ids: the decode worker holds the
+history token for token), not the paper authors' text client; the paper's arrivals, two turns
+and 120 s timeout for its 18 workloads, the chat workloads' own turns and 30 s timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import msgspec
+
+from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, link_preset, load_profile
+from ..policy.build import Progress
+from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
+from ..policy.simulate import PolicyRouter
+from ..policy.table import Weights, bundled_table, load_table, reweight
+from ..sim import Cluster, Conversation, simulate
+from ..sim.cluster import parse_config
+from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, Outcome
+from ..sim.routing import (
+    Router,
+    agg_router,
+    fraction_router,
+    local_router,
+    paper_proxy_router,
+    parse_paper_config,
+    pd_router,
+)
+from .manifest import to_sim
+from .workloads import PAPER_KILL_AFTER_S, PAPER_QPS, PAPER_WORKLOADS, make_workload, paper_workload
+
+CONFIGS = ("1P3D", "2P2D", "3P1D")
+LINKS = ("intra-node", "cross-node")
+CHAT_WORKLOADS = ("wildchat", "sharegpt")
+WEIGHTS = (1.0, 3.0, 6.0)  # w_tpot, with w_ttft 1
+SUCCESS_BAR = 95.0
+TIE = 0.02
+CHAT_WINDOW_S = 10.0  # seconds of conversation arrivals per chat point, as the paper's window
+BASE_POLICIES = ("x0", "x1", "x0.5", "replicas", "hybrid")
+
+
+def _peers() -> dict[str, Callable[[], Router]]:
+    """The peers' routers by name (`dynamo_ppd.sim.peers`), each a factory of a fresh router."""
+    try:
+        from ..sim import peers
+    except ImportError:  # the module is optional while it is being written
+        return {}
+    return dict(getattr(peers, "PEER_ROUTERS", {}))
+
+
+def policy_names(weights: Iterable[float] = WEIGHTS) -> list[str]:
+    return [*BASE_POLICIES, *_peers(), *(f"ppd@{w:g}" for w in weights)]
+
+
+def replica_config(config: str) -> str:
+    p, d, r = parse_config(config)
+    return f"{p + d + r}R"
+
+
+def hybrid_config(config: str) -> str:
+    """One GPU of the configuration turned into a replica, in the paper's naming: a decode GPU
+    if two or more remain, else a prefill GPU (1P3D -> 1R_1P_2D, 3P1D -> 1R_2P_1D)."""
+    p, d, _ = parse_config(config)
+    if d >= 2:
+        return f"1R_{p}P_{d - 1}D"
+    return f"1R_{p - 1}P_{d}D"
+
+
+class CompareSpec(msgspec.Struct, frozen=True):
+    profile: str
+    config: str
+    link: str
+    workload: str
+    rate: float  # conversations per second
+    policy: str
+    seed: int = 0
+
+
+class PolicyPoint(msgspec.Struct, frozen=True):
+    """One policy at one point: the figures the comparison reads."""
+
+    config: str
+    link: str
+    workload: str
+    rate: float
+    policy: str
+    success_rate: float
+    turn2_ttft_s: float | None  # mean, failed follow-ups at the timeout
+    turn2_tpot_s: float | None  # mean over successful follow-ups
+    turn2_p99_ttft_s: float | None
+    tokens_per_sec: float
+    local_share: float  # follow-ups that ran decode-local (aggregated counts as neither)
+
+
+def _conversations(workload: str, rate: float, seed: int) -> tuple[list[Conversation], float]:
+    if workload in PAPER_WORKLOADS:
+        return paper_workload(workload, rate, seed), PAPER_TIMEOUT_S
+    return to_sim(make_workload(workload, rate, CHAT_WINDOW_S, seed)), CHAT_TIMEOUT_S
+
+
+def _ppd(profile: EngineProfile, config: str, w_tpot: float) -> PolicyRouter:
+    weights = Weights(1.0, w_tpot)
+    table = reweight(load_table(bundled_table(config)), weights)
+    policy = Policy(PolicyConfig(Mode.PPD, w_ttft=1.0, w_tpot=w_tpot), ProfilePredictor(profile), table)
+    return PolicyRouter(policy)
+
+
+def router_for(profile: EngineProfile, config: str, policy: str, seed: int) -> tuple[str, Router]:
+    """(the simulator's worker counts, the router) that run ``policy`` on ``config``'s GPUs."""
+    if policy == "x0":
+        return config, pd_router
+    if policy == "x1":
+        return config, local_router
+    if policy == "x0.5":
+        return config, fraction_router(0.5, seed)
+    if policy == "replicas":
+        peers = _peers()
+        return replica_config(config), (peers["dynamo-kv-agg"]() if "dynamo-kv-agg" in peers else agg_router)
+    if policy == "hybrid":
+        paper = parse_paper_config(hybrid_config(config))
+        return paper.cluster_config, paper_proxy_router(paper, seed)
+    if policy.startswith("ppd@"):
+        return config, _ppd(profile, config, float(policy[4:]))
+    peers = _peers()
+    if policy in peers:
+        return config, peers[policy]()
+    raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(policy_names())}")
+
+
+def run_spec(spec: CompareSpec) -> PolicyPoint:
+    profile = load_profile(spec.profile)
+    cluster_config, router = router_for(profile, spec.config, spec.policy, spec.seed)
+    conversations, timeout_s = _conversations(spec.workload, spec.rate, spec.seed)
+    cluster = Cluster.from_config(profile, cluster_config, seed=spec.seed, link=link_preset(spec.link))
+    result = simulate(cluster, conversations, router, until_s=PAPER_KILL_AFTER_S, timeout_s=timeout_s,
+                      on_finish=getattr(router, "on_finish", None))
+    outcome: Outcome = result.outcome()
+    return PolicyPoint(spec.config, spec.link, spec.workload, spec.rate, spec.policy, outcome.success_rate,
+                       outcome.turn2_ttft_mean_with_timeouts_s, outcome.turn2.avg_tpot_s,
+                       outcome.turn2.p99_ttft_s, outcome.tokens_per_sec, result.local_share())
+
+
+# -- scoring -------------------------------------------------------------------------------------
+
+def score(a: PolicyPoint, b: PolicyPoint, w_tpot: float, w_ttft: float = 1.0) -> float:
+    """The paper's score of ``a`` against ``b`` (> 0: a is better); -inf when a misses the
+    success bar and b does not, +inf the other way round."""
+    a_ok, b_ok = a.success_rate >= SUCCESS_BAR, b.success_rate >= SUCCESS_BAR
+    if a_ok != b_ok:
+        return math.inf if a_ok else -math.inf
+    if not (a.turn2_ttft_s and b.turn2_ttft_s and a.turn2_tpot_s and b.turn2_tpot_s):
+        return 0.0  # nothing to compare (no follow-up answered on a side): neither is better
+    return (w_ttft * (b.turn2_ttft_s - a.turn2_ttft_s) / b.turn2_ttft_s
+            - w_tpot * (a.turn2_tpot_s - b.turn2_tpot_s) / b.turn2_tpot_s)
+
+
+class Standing(msgspec.Struct, frozen=True):
+    """A policy at one point against the best of the others."""
+
+    policy: str
+    score: float  # min over the others of score(policy, other)
+    best_other: str
+
+
+def standings(points: Sequence[PolicyPoint], w_tpot: float) -> list[Standing]:
+    """Each policy's score against the best other policy at one point (ppd@w for other weights
+    left out: a weight is one operator's choice, not a competitor)."""
+    chosen = [p for p in points if not p.policy.startswith("ppd@") or p.policy == f"ppd@{w_tpot:g}"]
+    out = []
+    for a in chosen:
+        others = [(score(a, b, w_tpot), b.policy) for b in chosen if b is not a]
+        if others:
+            value, name = min(others)
+            out.append(Standing(a.policy, value, name))
+    return out
+
+
+def outcome_of(value: float) -> str:
+    return "win" if value > TIE else "loss" if value < -TIE else "tie"
+
+
+class PolicySummary(msgspec.Struct, frozen=True):
+    policy: str
+    points: int
+    wins: int
+    ties: int
+    losses: int
+    at_least_minus_tie: float  # share of points with score >= -0.02
+    above_tie: float  # share of points with score > +0.02
+    beaten_most_by: str | None
+
+
+class CompareReport(msgspec.Struct, frozen=True):
+    profile: str
+    seeds: list[int]
+    points: list[PolicyPoint]
+    summaries: dict[str, list[PolicySummary]]  # by "<link> w_tpot <w>"
+
+
+def summarize_standings(groups: Iterable[Sequence[PolicyPoint]], w_tpot: float) -> list[PolicySummary]:
+    by_policy: dict[str, list[Standing]] = {}
+    for group in groups:
+        for standing in standings(group, w_tpot):
+            by_policy.setdefault(standing.policy, []).append(standing)
+    summaries = []
+    for policy, items in by_policy.items():
+        results = [outcome_of(s.score) for s in items]
+        losers = [s.best_other for s in items if s.score < -TIE]
+        summaries.append(PolicySummary(
+            policy, len(items), results.count("win"), results.count("tie"), results.count("loss"),
+            sum(s.score >= -TIE for s in items) / len(items), sum(s.score > TIE for s in items) / len(items),
+            max(set(losers), key=losers.count) if losers else None))
+    return sorted(summaries, key=lambda s: (-s.at_least_minus_tie, s.policy))
+
+
+def group_points(points: Sequence[PolicyPoint], link: str) -> list[list[PolicyPoint]]:
+    groups: dict[tuple[str, str, float], list[PolicyPoint]] = {}
+    for p in points:
+        if p.link == link:
+            groups.setdefault((p.config, p.workload, p.rate), []).append(p)
+    return list(groups.values())
+
+
+def compare(points: Sequence[PolicyPoint], links: Sequence[str], weights: Sequence[float],
+            profile: str, seeds: list[int]) -> CompareReport:
+    summaries = {f"{link} w_tpot {w:g}": summarize_standings(group_points(points, link), w)
+                 for link in links for w in weights}
+    return CompareReport(profile, seeds, list(points), summaries)
+
+
+# -- report --------------------------------------------------------------------------------------
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def markdown(report: CompareReport, command: str, wall_s: float) -> str:
+    n_points = len({(p.config, p.link, p.workload, p.rate) for p in report.points})
+    lines = ["# Every P/D policy on one simulated cluster", "",
+             f"Produced by `{command}` in {wall_s / 60:.1f} min: {n_points} points x policies, profile "
+             f"`{report.profile}`, seeds {report.seeds}. Score of A against B: the paper's, "
+             "`w_ttft (TTFT_B - TTFT_A)/TTFT_B - w_tpot (TPOT_A - TPOT_B)/TPOT_B` on turn-2+ mean TTFT "
+             "(failed follow-ups at the timeout) and turn-2+ mean TPOT; missing the 95% success bar "
+             "where B does not is a loss. A policy's score at a point is against the best other "
+             f"policy there; |score| <= {TIE} is a tie. Module docstring of `dynamo_ppd/bench/policies.py`: "
+             "every policy and its source.", ""]
+    for key, summaries in report.summaries.items():
+        lines += [f"## {key}", "",
+                  "| policy | points | wins | ties | losses | score >= -0.02 | score > +0.02 "
+                  "| beaten most by |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for s in summaries:
+            lines.append(f"| {s.policy} | {s.points} | {s.wins} | {s.ties} | {s.losses} | "
+                         f"{_pct(s.at_least_minus_tie)} | {_pct(s.above_tie)} | {s.beaten_most_by or '-'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: CompareReport, out_dir: Path, stem: str) -> list[Path]:
+    """Pareto views per configuration and link: P99 turn-2 TTFT vs throughput, mean turn-2 TTFT
+    vs TPOT (each policy's mean over the points)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for config in sorted({p.config for p in report.points}):
+        for link in sorted({p.link for p in report.points}):
+            pts = [p for p in report.points if p.config == config and p.link == link]
+            if not pts:
+                continue
+            fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+            for policy in sorted({p.policy for p in pts}):
+                mine = [p for p in pts if p.policy == policy and p.turn2_ttft_s and p.turn2_tpot_s]
+                if not mine:
+                    continue
+                p99 = [p.turn2_p99_ttft_s for p in mine if p.turn2_p99_ttft_s]
+                axes[0].scatter(sum(p.tokens_per_sec for p in mine) / len(mine),
+                                1e3 * sum(p99) / max(1, len(p99)), label=policy, s=30)
+                axes[1].scatter(1e3 * sum(p.turn2_tpot_s or 0 for p in mine) / len(mine),
+                                1e3 * sum(p.turn2_ttft_s or 0 for p in mine) / len(mine), label=policy, s=30)
+            axes[0].set_xlabel("throughput (output tok/s, mean over points)")
+            axes[0].set_ylabel("turn-2+ P99 TTFT (ms, mean over points)")
+            axes[1].set_xlabel("turn-2+ mean TPOT (ms)")
+            axes[1].set_ylabel("turn-2+ mean TTFT (ms)")
+            for ax in axes:
+                ax.grid(alpha=0.3)
+            axes[1].legend(fontsize=7, ncol=2)
+            fig.suptitle(f"{config}, {link} link: every policy (lower-left is better on the right)")
+            fig.tight_layout()
+            path = out_dir / f"{stem}-{config.lower()}-{link}.png"
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            paths.append(path)
+    return paths
+
+
+# -- CLI -----------------------------------------------------------------------------------------
+
+def _csv(kind: Callable[[str], object], known: Sequence[object] | None = None) -> Callable[[str], list]:
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v.strip()) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
+        bad = [v for v in values if known is not None and v not in known]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(str, bad)) or '(empty)'}; "
+                                             f"choose from {', '.join(map(str, known or []))}")
+        return values
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `dynamo-ppd sim compare`."""
+    parser.add_argument("--profile", default=DEFAULT_PROFILE,
+                        help="engine profile (default: the TensorRT-LLM one)")
+    parser.add_argument("--configs", type=_csv(str, CONFIGS), default=list(CONFIGS), metavar="LIST",
+                        help="P:D configurations (default: 1P3D,2P2D,3P1D)")
+    parser.add_argument("--links", type=_csv(str, LINKS), default=list(LINKS), metavar="LIST",
+                        help="KV link presets (default: intra-node,cross-node)")
+    parser.add_argument("--workloads", type=_csv(str, [*PAPER_WORKLOADS, *CHAT_WORKLOADS]),
+                        default=[*PAPER_WORKLOADS, *CHAT_WORKLOADS], metavar="LIST",
+                        help="the paper's 18 workloads, wildchat, sharegpt (default: all 20)")
+    parser.add_argument("--rates", type=_csv(float), default=list(PAPER_QPS), metavar="LIST",
+                        help="conversation rates (default: the paper's 10)")
+    parser.add_argument("--weights", type=_csv(float), default=list(WEIGHTS), metavar="LIST",
+                        help="w_tpot values (w_ttft 1) to score at and to run PPD at (default: 1,3,6)")
+    parser.add_argument("--policies", type=_csv(str), metavar="LIST",
+                        help="policies to run (default: all: x0, x1, x0.5, replicas, hybrid, the peers, "
+                        "ppd@w)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of arrivals, prompts, tokens and draws")
+    parser.add_argument("--jobs", type=int, default=2, help="parallel processes")
+    parser.add_argument("--out", type=Path, default=Path("docs/policies"), metavar="PREFIX",
+                        help="writes PREFIX.md, PREFIX.json and PREFIX-<config>-<link>.png")
+
+
+def main(args: argparse.Namespace) -> int:
+    import time
+
+    try:
+        load_profile(args.profile)
+        policies = args.policies or policy_names(args.weights)
+        unknown = [p for p in policies if p not in policy_names(args.weights) and not p.startswith("ppd@")]
+        if unknown:
+            known = ", ".join(policy_names())
+            raise ValueError(f"unknown policies {', '.join(unknown)}; choose from {known}")
+        if args.jobs < 1:
+            raise ValueError("--jobs must be at least 1")
+    except (ProfileError, ValueError) as exc:
+        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
+        return 2
+    specs = [CompareSpec(args.profile, c, link, w, r, policy, args.seed) for c in args.configs
+             for link in args.links for w in args.workloads for r in args.rates for policy in policies]
+    progress = Progress(len(specs), "sim compare")
+    started = time.monotonic()
+    points: list[PolicyPoint] = []
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for point in pool.map(run_spec, specs, chunksize=4):
+            points.append(point)
+            progress.step()
+    wall = time.monotonic() - started
+    report = compare(points, args.links, args.weights, args.profile, [args.seed])
+    text = markdown(report, "dynamo-ppd " + " ".join(sys.argv[1:]), wall)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(text)
+    args.out.with_suffix(".json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    for path in plot(report, args.out.parent, args.out.name):
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,67 @@
+"""`dynamo-ppd sim compare`: the paper's score against the best other policy, wins/ties/losses,
+and the command end to end on a small grid."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dynamo_ppd.bench import policies
+from dynamo_ppd.bench.policies import PolicyPoint, score, standings, summarize_standings
+from dynamo_ppd.cli import main as cli_main
+
+
+def point(policy: str, ttft: float, tpot: float, success: float = 100.0) -> PolicyPoint:
+    return PolicyPoint("1P3D", "intra-node", "small_mid_bal", 2.0, policy, success, ttft, tpot, 2 * ttft,
+                       1000.0, 0.0)
+
+
+def test_the_score_is_the_papers_and_a_missed_success_bar_loses_whatever_the_latencies():
+    a, b = point("a", 0.05, 0.010), point("b", 0.10, 0.010)
+    assert score(a, b, w_tpot=1) == pytest.approx(0.5)  # half the TTFT, same TPOT
+    assert score(b, a, w_tpot=1) == pytest.approx(-1.0)
+    slower_tokens = point("c", 0.05, 0.011)
+    assert score(slower_tokens, b, w_tpot=1) == pytest.approx(0.5 - 0.1)
+    assert score(slower_tokens, b, w_tpot=6) == pytest.approx(0.5 - 0.6)
+    failing = point("f", 0.01, 0.005, success=90.0)
+    assert score(failing, b, w_tpot=1) == -math.inf and score(b, failing, w_tpot=1) == math.inf
+
+
+def test_a_policy_is_scored_against_the_best_other_and_other_weights_of_ppd_are_left_out():
+    group = [point("x0", 0.10, 0.010), point("x1", 0.05, 0.0105), point("ppd@1", 0.05, 0.0100),
+             point("ppd@6", 0.01, 0.02)]
+    by_policy = {s.policy: s for s in standings(group, w_tpot=1)}
+    assert set(by_policy) == {"x0", "x1", "ppd@1"}  # ppd@6 is another operator's choice
+    assert by_policy["ppd@1"].best_other == "x1"
+    assert by_policy["ppd@1"].score == pytest.approx(0.05 / 1.05, rel=1e-3)  # x1 is its closest rival
+    assert by_policy["x0"].score == pytest.approx(-1.0) and by_policy["x0"].best_other == "ppd@1"
+    summary = {s.policy: s for s in summarize_standings([group, group], w_tpot=1)}
+    assert (summary["ppd@1"].wins, summary["ppd@1"].points) == (2, 2)
+    assert summary["x0"].losses == 2 and summary["x0"].beaten_most_by == "ppd@1"
+
+
+def test_configurations_for_replicas_and_hybrids_use_the_same_gpus():
+    assert policies.replica_config("1P3D") == "4R" and policies.replica_config("3P1D") == "4R"
+    assert policies.hybrid_config("1P3D") == "1R_1P_2D" and policies.hybrid_config("3P1D") == "1R_2P_1D"
+
+
+def test_sim_compare_writes_its_report(tmp_path):
+    out = tmp_path / "pol"
+    assert cli_main(["sim", "compare", "--configs", "1P3D", "--links", "cross-node",
+                     "--workloads", "small_mid_bal", "--rates", "2", "--weights", "1",
+                     "--policies", "x0,x1,ppd@1", "--jobs", "1", "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "pol.json").read_text())
+    assert {p["policy"] for p in report["points"]} == {"x0", "x1", "ppd@1"}
+    summary = {s["policy"]: s for s in report["summaries"]["cross-node w_tpot 1"]}
+    assert summary["x0"]["losses"] == 1  # PD re-prefills the history and moves its KV every turn
+    x1 = next(p for p in report["points"] if p["policy"] == "x1")
+    assert x1["local_share"] == 1.0 and x1["success_rate"] == 100.0
+    assert (tmp_path / "pol-1p3d-cross-node.png").stat().st_size > 10_000
+    assert "| x0 |" in (tmp_path / "pol.md").read_text()
+
+
+def test_unknown_policies_exit_2(capsys, tmp_path):
+    assert cli_main(["sim", "compare", "--policies", "x0,nope", "--out", str(tmp_path / "p")]) == 2
+    assert "unknown policies nope" in capsys.readouterr().err
