@@ -4,22 +4,23 @@ from (each cell run at x=0 and x=1)."""
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..bench.workloads import PAPER_KILL_AFTER_S, PAPER_REQUEST_TIMEOUT_S, PAPER_TURNS, paper_arrivals
 from ..engine.profile import EngineProfile
+from ..engine.scheduler import LoadSnapshot
 from ..sim import Cluster, Conversation, DecodeLocal, ViaPrefill, simulate
 from ..sim import RequestFeatures as SimFeatures
 from ..sim.cluster import ClusterView
 from ..sim.outcome import CHAT_TIMEOUT_S
-from ..sim.routing import least_loaded_decode, least_loaded_prefill, local_router, pd_router
+from ..sim.routing import least_loaded_prefill, local_router, pd_router
 from ..sim.run import SimResult
 from ..sim.workload import TEMPLATE_TOKENS, Turn
-from .decision import Decision, Policy, RequestFeatures, Route, WorkerLoad, moves_to_best
+from .decision import Decision, Policy, Route, WorkerLoad
 from .grid import ContextClass, WorkloadClass
+from .placement import ClusterState, Placement, Routed, TurnRequest, place
 from .qps import SlidingWindowRate
 from .table import Conditions, Measurement
 
@@ -29,54 +30,68 @@ def prefill_queue_tokens(view: ClusterView, worker: str) -> int:
     return load.waiting_prompt_tokens + load.prefill_tokens_remaining
 
 
-def worker_load(view: ClusterView, worker: str | None) -> WorkerLoad:
+def worker_load(view: ClusterView, worker: str | None, load: LoadSnapshot | None = None) -> WorkerLoad:
     """A worker's load as the live router sees it: its own in-flight count and the worker's
-    reported decode batch, whichever is larger (see `dynamo_ppd.router.router`)."""
+    reported decode batch, whichever is larger (see `dynamo_ppd.router.router`). ``load``: the
+    worker's snapshot, if the caller has it already."""
     if worker is None:
         return WorkerLoad()
-    load = view.load(worker)
+    load = load or view.load(worker)
     decoding = load.decode_requests + load.awaiting_kv_requests
     return WorkerLoad(inflight_requests=view.inflight(worker),
-                      pending_prefill_tokens=prefill_queue_tokens(view, worker),
+                      pending_prefill_tokens=load.waiting_prompt_tokens + load.prefill_tokens_remaining,
                       decode_requests=max(decoding, view.inflight(worker)),
                       decode_kv_tokens=load.decode_kv_tokens + load.awaiting_kv_tokens)
 
 
-def features_from(f: SimFeatures, view: ClusterView, prefill: str | None, qps: float) -> RequestFeatures:
-    cached_p = view.cached_prefix_tokens(prefill, f.token_ids) if prefill else 0
-    return RequestFeatures(
-        decision_key=f"{f.conversation_id}:{f.turn}", turn=f.turn, prompt_tokens=f.prompt_tokens,
-        cached_on_decode=f.cached_on_decode, cached_on_prefill=cached_p, expected_output_tokens=f.max_tokens,
-        has_session_decode=f.decode_worker is not None, decode_load=worker_load(view, f.decode_worker),
-        prefill_load=worker_load(view, prefill), qps=qps)
+def cluster_state(view: ClusterView, tokens: list[int], session: str | None = None) -> ClusterState[str]:
+    """What placement reads, from the simulated cluster as the live router gathers it: what the
+    prefill workers and the session's decode worker hold of the prompt (KV events: the router's
+    residency index), each worker's load as the policy reads it (`worker_load`), and this
+    router's own counts. The simulator has one router, so what is queued on a worker is all its
+    own: requests in flight from the cluster's routing bookkeeping, prefill tokens from the
+    worker's queue, context from what it decodes or awaits KV for (the live router counts a
+    request's prompt from routing on, the simulator's view once it reached the worker)."""
+    loads, routed = {}, {}
+    for worker in [*view.prefill_workers, *view.decode_workers]:
+        load = view.load(worker)
+        loads[worker] = worker_load(view, worker, load)
+        routed[worker] = Routed(requests=view.inflight(worker),
+                                prefill_tokens=loads[worker].pending_prefill_tokens,
+                                context_tokens=loads[worker].decode_kv_tokens)
+    holders = [*view.prefill_workers, *([session] if session is not None else [])]
+    cached = {worker: view.cached_prefix_tokens(worker, tokens) for worker in holders}
+    return ClusterState(view.prefill_workers, view.decode_workers, loads, routed, cached)
 
 
 class PolicyRouter:
-    """A simulation router that asks `policy`, as the live router does: a sliding-window rate, the
-    same load signals, a hot decode worker left for a cooler one on via-prefill turns, and each
-    finished turn's TTFT and TPOT fed back to the policy (pass `on_finish` to `simulate`)."""
+    """A simulation router that places turns as the live router does (`placement.place`: the same
+    prefill and decode choice, the same policy call, a hot decode worker left for a cooler one on
+    via-prefill turns), reading a sliding-window rate, and feeding each finished turn's TTFT and
+    TPOT back to the policy (pass `on_finish` to `simulate`)."""
 
     def __init__(self, policy: Policy, window_s: float = 10.0):
         self.policy = policy
         self.rate = SlidingWindowRate(window_s)
         self._pending: dict[tuple[str, int], Decision] = {}
 
-    def __call__(self, f: SimFeatures, view: ClusterView):
+    def place(self, f: SimFeatures, view: ClusterView) -> Placement[str]:
+        """The turn's placement (no side effect on the cluster; records the arrival's rate)."""
         self.rate.record(f.now)
-        prefill = least_loaded_prefill(view) if view.prefill_workers else None
-        best = least_loaded_decode(view)
-        features = dataclasses.replace(features_from(f, view, prefill, self.rate.rate(f.now)),
-                                       best_decode_load=worker_load(view, best))
-        history = f.prompt_tokens - f.new_tokens if f.decode_worker else 0
-        decision = self.policy.decide(features, history_tokens=history)
-        self._pending[(f.conversation_id, f.turn)] = decision
-        decode = f.decode_worker or best
-        if decision.route is Route.DECODE_LOCAL:
-            return DecodeLocal(decode)
-        assert prefill is not None
-        if features.best_decode_load and moves_to_best(features.decode_load, features.best_decode_load):
-            decode = best
-        return ViaPrefill(prefill, decode)
+        session = f.decode_worker if f.decode_worker in view.decode_workers else None
+        request = TurnRequest(decision_key=f"{f.conversation_id}:{f.turn}", turn=f.turn,
+                              prompt_tokens=f.prompt_tokens, expected_output_tokens=f.max_tokens,
+                              session_decode=session, history_tokens=f.prompt_tokens - f.new_tokens,
+                              qps=self.rate.rate(f.now))
+        return place(self.policy, cluster_state(view, f.token_ids, session), request)
+
+    def __call__(self, f: SimFeatures, view: ClusterView):
+        placed = self.place(f, view)
+        self._pending[(f.conversation_id, f.turn)] = placed.decision
+        if placed.decision.route is Route.DECODE_LOCAL:
+            return DecodeLocal(placed.decode)
+        assert placed.prefill is not None  # `place` is decode-local without prefill workers
+        return ViaPrefill(placed.prefill, placed.decode)
 
     def on_finish(self, record) -> None:
         decision = self._pending.pop((record.conversation_id, record.turn), None)

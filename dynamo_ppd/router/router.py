@@ -10,7 +10,6 @@ turn through a P to another D; a gone P makes the turn decode-local when D holds
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -23,7 +22,8 @@ import msgspec
 
 from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
 from ..engine.profile import load_profile
-from ..policy.decision import Decision, Policy, RequestFeatures, Route, WorkerLoad, moves_to_best
+from ..policy import placement
+from ..policy.decision import Decision, Policy, Route, WorkerLoad
 from ..policy.qps import SlidingWindowRate
 from ..policy.table import bundled_table, load_table
 from . import dispatch
@@ -82,6 +82,9 @@ def _as_part_of_the_original(chunk: dict, already_sent: int) -> None:
             details["cached_tokens"] = max(0, min(details["cached_tokens"], usage["prompt_tokens"]))
 
 
+_NO_STATE: placement.ClusterState[int] = placement.ClusterState((), (), {}, {}, {})
+
+
 class NoWorkers(Exception):
     """No worker of a needed kind: HTTP 503."""
 
@@ -109,6 +112,11 @@ class _Loads:
                           pending_prefill_tokens=max(self.prefill_tokens[worker], reported_prefill),
                           decode_requests=max(self.inflight[worker], reported_decode),
                           decode_kv_tokens=max(self.context_tokens[worker], reported_kv))
+
+    def routed(self, worker: int) -> placement.Routed:
+        """This router's own counts, which placement ranks workers by."""
+        return placement.Routed(requests=self.inflight[worker], prefill_tokens=self.prefill_tokens[worker],
+                                context_tokens=self.context_tokens[worker])
 
 
 class PpdRouter:
@@ -256,7 +264,8 @@ class PpdRouter:
 
         if cfg.mode.value == "replica":
             plan.decode = self._pick_replica(residency_chain)
-            plan.decision = self.policy.decide(self._features(plan, request, None, 0, None, 0), 0)
+            turn_request = self._turn(plan, request, None, None)
+            plan.decision = self.policy.decide(placement.features(turn_request, _NO_STATE, None, None), 0)
             return self._decided(plan, started)
         if await self._hybrid(plan, record, session_id):
             return self._decided(plan, started)
@@ -268,29 +277,18 @@ class PpdRouter:
         if by_residency:
             session_decode = self._residency_home(decode_ids, residency_chain)
         rehome = record is not None and record.decode_worker is not None and session_decode is None
-        cached_d = self.residency.held_blocks(session_decode, residency_chain) * cfg.block_size
         prefill_ids = self._instances("prefill")
-        plan.prefill, cached_p = self._pick_prefill(prefill_ids, residency_chain, len(tokens))
         self._select_table(len(prefill_ids), len(decode_ids))
-        best = self._pick_decode(decode_ids)
-        features = self._features(plan, request, session_decode, cached_d, plan.prefill, cached_p, best)
-        history = record.context_tokens if record and session_decode is not None else 0
-        decision = self.policy.decide(features, history_tokens=history)
-        if forced and session_decode is not None and turn > 1:
-            decision = Decision(Route(forced), "forced")
-        if decision.route is Route.VIA_PREFILL and plan.prefill is None:
-            # No prefill worker (all gone, or restarting): a decode worker prefills the whole
-            # prompt itself (the bypass contract), slower than PD but an answer, not a 503.
-            decision = Decision(Route.DECODE_LOCAL, "no_prefill_worker")
+        state = self._state(prefill_ids, decode_ids, residency_chain, session_decode)
+        placed = placement.place(self.policy, state, self._turn(plan, request, session_decode, record),
+                                 Route(forced) if forced else None)
+        decision = plan.decision = placed.decision
+        plan.prefill, plan.decode = placed.prefill, placed.decode
         if decision.reason == "history_evicted":
             self.metrics.residency_misses.inc()
         if rehome:
             self.metrics.rehomes.inc()
-        plan.decision = decision
-        plan.decode = session_decode if session_decode is not None else best
-        if (decision.route is Route.VIA_PREFILL and session_decode is not None and features.best_decode_load
-                and moves_to_best(features.decode_load, features.best_decode_load)):
-            plan.decode = best  # its KV comes by transfer anyway: leave the hot decode worker
+        if placed.moved:  # its KV comes by transfer anyway: it left the hot decode worker
             self.metrics.session_moves.inc()
         self._decided(plan, started)
         if record is None:
@@ -300,8 +298,10 @@ class PpdRouter:
                 session_id=session_id, decode_worker=plan.decode, prefill_worker=plan.prefill,
                 last_access=time.time())))
             plan.decode_ids = decode_ids
-        debug_line(session=session_id, turn=turn, prompt_tokens=len(tokens), cached_on_decode=cached_d,
-                   cached_on_prefill=cached_p, decode=plan.decode, prefill=plan.prefill,
+        debug_line(session=session_id, turn=turn, prompt_tokens=len(tokens),
+                   cached_on_decode=placed.features.cached_on_decode,
+                   cached_on_prefill=placed.features.cached_on_prefill, decode=plan.decode,
+                   prefill=plan.prefill,
                    route=decision.route.value, reason=decision.reason, score=decision.score,
                    rehome=rehome, local=decision.local, via_prefill=decision.via_prefill)
         return plan
@@ -312,19 +312,28 @@ class PpdRouter:
                                     plan.decision.reason)
         return plan
 
-    def _features(self, plan: _Plan, request: dict, decode: int | None, cached_d: int,
-                  prefill: int | None, cached_p: int, best_decode: int | None = None) -> RequestFeatures:
+    def _state(self, prefill_ids: list[int], decode_ids: list[int], chain: list[int],
+               session_decode: int | None) -> placement.ClusterState[int]:
+        """What placement reads: how much of the prompt each prefill worker and the session's
+        decode worker hold (the residency index), this router's own counts, and the loads the
+        policy reads (own counts merged with the workers' reports)."""
+        bs = self.config.block_size
+        cached = {w: blocks * bs for w, blocks in self.residency.held_by_worker(chain, prefill_ids).items()}
+        if session_decode is not None:
+            cached[session_decode] = self.residency.held_blocks(session_decode, chain) * bs
+        workers = [*prefill_ids, *decode_ids]
+        return placement.ClusterState(
+            prefill_ids, decode_ids, loads={w: self.loads.of(w, self.reports.get(w)) for w in workers},
+            routed={w: self.loads.routed(w) for w in workers}, cached_tokens=cached)
+
+    def _turn(self, plan: _Plan, request: dict, session_decode: int | None,
+              record: SessionRecord | None) -> placement.TurnRequest[int]:
         stop = request.get("stop_conditions") or {}
-        return RequestFeatures(
+        return placement.TurnRequest(
             decision_key=f"{plan.session_id}:{plan.turn}", turn=plan.turn, prompt_tokens=plan.prompt_tokens,
-            cached_on_decode=cached_d, cached_on_prefill=cached_p,
             expected_output_tokens=stop.get("max_tokens") or self.config.default_max_tokens,
-            has_session_decode=decode is not None,
-            decode_load=self.loads.of(decode, self.reports.get(decode) if decode is not None else None),
-            prefill_load=self.loads.of(prefill, self.reports.get(prefill) if prefill is not None else None),
-            qps=self.rate.rate(time.monotonic()),
-            best_decode_load=(self.loads.of(best_decode, self.reports.get(best_decode))
-                              if best_decode is not None else None))
+            session_decode=session_decode, history_tokens=record.context_tokens if record else 0,
+            qps=self.rate.rate(time.monotonic()))
 
     def _select_table(self, prefill_workers: int, decode_workers: int) -> None:
         """``--table auto``: the table shipped for the profile and the live P:D configuration
@@ -345,26 +354,11 @@ class PpdRouter:
         log.info("P:D configuration %s: %s", config, f"table {path.name}" if table else
                  "no shipped table, deciding from the engine profile's predictions")
 
-    def _pick_prefill(self, ids: list[int], chain: list[int], prompt_tokens: int) -> tuple[int | None, int]:
-        """The prefill worker with the least work for this prompt: tokens it does not hold plus the
-        prompt tokens already queued on it (KV overlap and load, as Dynamo's KV router weighs)."""
+    def _pick_decode(self, ids: list[int]) -> int:
+        """A new conversation's decode worker (`placement.pick_decode`: the least loaded now)."""
         if not ids:
-            return None, 0
-        cached = self.residency.held_by_worker(chain, ids)
-        block = self.config.block_size
-
-        def cost(worker: int) -> tuple[int, int]:
-            return (prompt_tokens - cached.get(worker, 0) * block + self.loads.prefill_tokens[worker], worker)
-
-        best = min(ids, key=cost)
-        return best, cached.get(best, 0) * block
-
-    def _pick_decode(self, ids: list[int], exclude: set[int] | None = None) -> int:
-        """A new conversation's decode worker: the least loaded now (never by hash)."""
-        candidates = [w for w in ids if w not in (exclude or set())]
-        if not candidates:
             raise NoWorkers("no decode worker is available")
-        return min(candidates, key=lambda w: (self.loads.inflight[w], self.loads.context_tokens[w], w))
+        return placement.pick_decode(ids, self._state([], ids, [], None))
 
     async def _hybrid(self, plan: _Plan, record: SessionRecord | None, session_id: str) -> bool:
         """Hybrid (aggregated "replica" workers beside P/D, ``--replica-component``): a conversation
@@ -379,7 +373,7 @@ class PpdRouter:
         if record is not None:
             return False
         candidates = replica_ids + self._instances("decode")
-        chosen = min(candidates, key=lambda w: (self.loads.inflight[w], self.loads.context_tokens[w], w))
+        chosen = placement.pick_decode(candidates, self._state([], candidates, [], None))
         if chosen not in replica_ids:
             return False
         plan.decode, plan.decision = chosen, Decision(Route.REPLICA, "hybrid_new_conversation")
@@ -499,19 +493,21 @@ class PpdRouter:
         prefill_ids = [w for w in self._instances("prefill") if w not in failed]
         if plan.decode in failed or plan.decode not in decode_ids:
             plan.decode = self._pick_decode(decode_ids)  # NoWorkers: none left (503)
-        bs = self.config.block_size
-        chain = prefix_chain(self._hash(tokens, bs))
-        cached_d = self.residency.held_blocks(plan.decode, chain) * bs
         plan.prompt_tokens = len(tokens)
         if not prefill_ids:
             plan.prefill = None
             plan.decision = Decision(Route.DECODE_LOCAL, "rehome_no_prefill_worker")
             return
-        plan.prefill, cached_p = self._pick_prefill(prefill_ids, chain, len(tokens))
-        features = self._features(plan, {"stop_conditions": {}}, plan.decode, cached_d, plan.prefill,
-                                  cached_p)
-        features = dataclasses.replace(features, turn=max(2, plan.turn), has_session_decode=True)
-        decision = self.policy.decide(features, history_tokens=len(tokens))
+        state = self._state(prefill_ids, decode_ids, prefix_chain(self._hash(tokens, self.config.block_size)),
+                            plan.decode)
+        plan.prefill, _ = placement.pick_prefill(prefill_ids, len(tokens), state)
+        # A follow-up of the history ``tokens`` hold, on the decode worker it now has.
+        turn = placement.TurnRequest(
+            decision_key=f"{plan.session_id}:{plan.turn}", turn=max(2, plan.turn), prompt_tokens=len(tokens),
+            expected_output_tokens=self.config.default_max_tokens, session_decode=plan.decode,
+            history_tokens=len(tokens), qps=self.rate.rate(time.monotonic()))
+        decision = self.policy.decide(placement.features(turn, state, plan.decode, plan.prefill),
+                                      history_tokens=len(tokens))
         plan.decision = Decision(decision.route, f"rehome_{decision.reason}", decision.score)
 
     async def _find_session(self, header_id: str | None, tokens: list[int], chain: list[int]

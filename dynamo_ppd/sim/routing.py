@@ -79,7 +79,10 @@ class RequestFeatures:
 Router = Callable[[RequestFeatures, "ClusterView"], Route]
 
 
-# -- load signals shared by the built-in routers ------------------------------------------------
+# -- load signals of the plain built-in routers (pd, local, fraction, agg) -----------------------
+# These are the fixed rules' own placement, which table cells are measured with. The PPD router
+# (live and simulated) places by `dynamo_ppd.policy.placement`, which also weighs the prompt
+# tokens a prefill worker already holds.
 
 def least_loaded_prefill(view: ClusterView) -> str:
     """The prefill worker with the fewest prompt tokens still to compute (queued or running),
