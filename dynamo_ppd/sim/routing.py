@@ -264,4 +264,7 @@ def make_router(name: str, local_fraction: float = 0.5, seed: int = 0) -> Router
         return fraction_router(local_fraction, seed)
     if name == "agg":
         return agg_router
-    raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTER_NAMES)}")
+    from .peers import PEER_ROUTERS, make_peer_router  # here: peers imports this module
+    if name in PEER_ROUTERS:
+        return make_peer_router(name, seed)
+    raise ValueError(f"unknown router {name!r}; choose one of {', '.join((*ROUTER_NAMES, *PEER_ROUTERS))}")
