@@ -207,8 +207,9 @@ def test_vllm_router_balances_when_imbalanced():
 # -- registry and end to end -----------------------------------------------------------------------
 
 def test_make_router_resolves_every_peer_and_rejects_unknown_names():
-    for name in PEER_ROUTERS:
+    for name, factory in PEER_ROUTERS.items():
         assert callable(make_router(name))
+        assert factory() is not factory()  # a fresh router each call, with no arguments too
     with pytest.raises(ValueError, match="dynamo-isl-bounding"):
         make_router("no-such-router")
     with pytest.raises(ValueError, match="unknown peer router"):

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .routing import Aggregated, DecodeLocal, RequestFeatures, Route, Router, RoutingError, ViaPrefill
 
@@ -334,27 +334,45 @@ def _batched_tokens(profile: EngineProfile | None) -> int:
     return profile.engine.max_num_tokens if profile is not None else DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
-PeerFactory = Callable[[int, "EngineProfile | None"], Router]
+class PeerFactory(Protocol):
+    """Makes a fresh router (some keep state); callable with no arguments too."""
+
+    def __call__(self, seed: int = 0, profile: EngineProfile | None = None) -> Router: ...
+
+
+def _conditional(policy: str, busy: float | None, isl: int = DYNAMO_EFF_ISL_THRESHOLD,
+                 ratio: float = DYNAMO_EFF_ISL_RATIO_THRESHOLD) -> PeerFactory:
+    def make(seed: int = 0, profile: EngineProfile | None = None) -> Router:
+        return DynamoConditionalDisagg(policy, eff_isl_threshold=isl, eff_isl_ratio_threshold=ratio,
+                                       prefill_busy_threshold=busy,
+                                       max_num_batched_tokens=_batched_tokens(profile), seed=seed)
+    return make
+
+
+def _dynamo_kv_agg(seed: int = 0, profile: EngineProfile | None = None) -> Router:
+    return DynamoKvRouter(seed)
+
+
+def _llmd_prefix(seed: int = 0, profile: EngineProfile | None = None) -> Router:
+    return LlmdPrefixPd(LLMD_NON_CACHED_TOKENS, seed)
+
+
+def _vllm_router(seed: int = 0, profile: EngineProfile | None = None) -> Router:
+    return VllmRouter(seed)
+
 
 PEER_ROUTERS: dict[str, PeerFactory] = {
     # Dynamo's defaults (2048, 0.7) are also our graph's ISL thresholds.
-    "dynamo-isl-bounding": lambda seed, profile: DynamoConditionalDisagg(
-        "isl_bounding", max_num_batched_tokens=_batched_tokens(profile), seed=seed),
-    # Dynamo 1.6.1 has no default busy threshold: these use our graph's 0.5.
-    "dynamo-prefill-load": lambda seed, profile: DynamoConditionalDisagg(
-        "prefill_load", prefill_busy_threshold=OUR_PREFILL_BUSY_THRESHOLD,
-        max_num_batched_tokens=_batched_tokens(profile), seed=seed),
-    "dynamo-isl-or-load": lambda seed, profile: DynamoConditionalDisagg(
-        "isl_or_load", prefill_busy_threshold=OUR_PREFILL_BUSY_THRESHOLD,
-        max_num_batched_tokens=_batched_tokens(profile), seed=seed),
+    "dynamo-isl-bounding": _conditional("isl_bounding", None),
+    # Dynamo 1.6.1 has no default busy threshold: these two use our graph's 0.5, so
+    # dynamo-isl-or-load is the same rule as dynamo-isl-or-load-ours (kept for the name).
+    "dynamo-prefill-load": _conditional("prefill_load", OUR_PREFILL_BUSY_THRESHOLD),
+    "dynamo-isl-or-load": _conditional("isl_or_load", OUR_PREFILL_BUSY_THRESHOLD),
     # graphs/cond-disagg.yaml exactly (eff_isl_threshold 2048, ratio 0.7, prefill_busy 0.5).
-    "dynamo-isl-or-load-ours": lambda seed, profile: DynamoConditionalDisagg(
-        "isl_or_load", eff_isl_threshold=2048, eff_isl_ratio_threshold=0.7,
-        prefill_busy_threshold=OUR_PREFILL_BUSY_THRESHOLD,
-        max_num_batched_tokens=_batched_tokens(profile), seed=seed),
-    "dynamo-kv-agg": lambda seed, profile: DynamoKvRouter(seed),
-    "llm-d-prefix": lambda seed, profile: LlmdPrefixPd(LLMD_NON_CACHED_TOKENS, seed),
-    "vllm-router": lambda seed, profile: VllmRouter(seed),
+    "dynamo-isl-or-load-ours": _conditional("isl_or_load", OUR_PREFILL_BUSY_THRESHOLD, 2048, 0.7),
+    "dynamo-kv-agg": _dynamo_kv_agg,
+    "llm-d-prefix": _llmd_prefix,
+    "vllm-router": _vllm_router,
 }
 
 
