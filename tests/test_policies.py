@@ -65,3 +65,17 @@ def test_sim_compare_writes_its_report(tmp_path):
 def test_unknown_policies_exit_2(capsys, tmp_path):
     assert cli_main(["sim", "compare", "--policies", "x0,nope", "--out", str(tmp_path / "p")]) == 2
     assert "unknown policies nope" in capsys.readouterr().err
+
+
+def test_reuse_keeps_earlier_points_and_runs_only_what_is_missing(tmp_path):
+    first = tmp_path / "a"
+    common = ["sim", "compare", "--configs", "1P3D", "--links", "intra-node", "--workloads", "small_tiny",
+              "--rates", "1", "--weights", "1", "--jobs", "1"]
+    assert cli_main([*common, "--policies", "x0", "--out", str(first)]) == 0
+    second = tmp_path / "b"
+    reuse = ["--reuse", str(tmp_path / "a.json")]
+    assert cli_main([*common, "--policies", "x0,x1", *reuse, "--out", str(second)]) == 0
+    points = json.loads((tmp_path / "b.json").read_text())["points"]
+    assert sorted(p["policy"] for p in points) == ["x0", "x1"]
+    earlier = json.loads((tmp_path / "a.json").read_text())["points"][0]
+    assert next(p for p in points if p["policy"] == "x0") == earlier

@@ -361,6 +361,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "ppd@w)")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals, prompts, tokens and draws")
     parser.add_argument("--jobs", type=int, default=2, help="parallel processes")
+    parser.add_argument("--reuse", type=Path, metavar="JSON",
+                        help="a previous report whose points are kept: only the (point, policy) pairs it "
+                        "lacks are simulated (same profile and seed)")
     parser.add_argument("--out", type=Path, default=Path("docs/policies"), metavar="PREFIX",
                         help="writes PREFIX.md, PREFIX.json and PREFIX-<config>-<link>.png")
 
@@ -382,9 +385,23 @@ def main(args: argparse.Namespace) -> int:
         return 2
     specs = [CompareSpec(args.profile, c, link, w, r, policy, args.seed) for c in args.configs
              for link in args.links for w in args.workloads for r in args.rates for policy in policies]
-    progress = Progress(len(specs), "sim compare")
-    started = time.monotonic()
     points: list[PolicyPoint] = []
+    if args.reuse is not None:
+        try:
+            previous = msgspec.json.decode(args.reuse.read_bytes(), type=CompareReport)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            print(f"dynamo-ppd: error: --reuse {args.reuse}: {exc}", file=sys.stderr)
+            return 2
+        if previous.profile != args.profile or previous.seeds != [args.seed]:
+            print(f"dynamo-ppd: error: --reuse {args.reuse} was run with profile {previous.profile} and "
+                  f"seeds {previous.seeds}, not {args.profile} and [{args.seed}]", file=sys.stderr)
+            return 2
+        wanted = {(s.config, s.link, s.workload, s.rate, s.policy) for s in specs}
+        points = [p for p in previous.points if (p.config, p.link, p.workload, p.rate, p.policy) in wanted]
+        have = {(p.config, p.link, p.workload, p.rate, p.policy) for p in points}
+        specs = [s for s in specs if (s.config, s.link, s.workload, s.rate, s.policy) not in have]
+    progress = Progress(max(1, len(specs)), "sim compare")
+    started = time.monotonic()
     with ProcessPoolExecutor(args.jobs) as pool:
         for point in pool.map(run_spec, specs, chunksize=4):
             points.append(point)
