@@ -74,8 +74,9 @@ VLLM_BALANCE_REL_THRESHOLD = 1.5
 def active_prefill_tokens(view: ClusterView, worker: str) -> int:
     """Dynamo's ``active_prefill_tokens`` of a worker: prompt tokens of the requests routed to
     it whose prefill is not done (the router books them at routing, frees them at the first
-    token). Ours: the engine's queued prompt tokens plus those still to compute in running
-    prefills (a request in the stack's hop before it reaches the engine is not yet counted)."""
+    token; each request counts its prompt minus what that worker holds). Ours: the engine's
+    queued prompt tokens (whole prompts: the engine matches the cache at admission) plus those
+    still to compute in running prefills (a request still in the stack's hop is not counted)."""
     load = view.load(worker)
     return load.waiting_prompt_tokens + load.prefill_tokens_remaining
 
@@ -374,6 +375,11 @@ PEER_ROUTERS: dict[str, PeerFactory] = {
     "llm-d-prefix": _llmd_prefix,
     "vllm-router": _vllm_router,
 }
+
+
+# Peers that route over aggregated workers: run them on a replica configuration (1P3D -> 4R); the
+# others need prefill and decode workers.
+AGGREGATED_PEERS: frozenset[str] = frozenset({"dynamo-kv-agg"})
 
 
 def make_peer_router(name: str, seed: int = 0, profile: EngineProfile | None = None) -> Router:
