@@ -6,8 +6,8 @@ of the same profile and seed, so they see the same conversations. Policies:
 
 - ``x0`` (every turn through a prefill worker), ``x1`` (every follow-up decode-local),
   ``x0.5`` (half of the follow-ups decode-local, drawn per turn);
-- ``replicas``: the configuration's GPUs as aggregated workers (1P3D -> 4R) with Dynamo's KV
-  router's choice if the peers module provides it, else longest cached prefix;
+- ``replicas``: the configuration's GPUs as aggregated workers (1P3D -> 4R) placed by Dynamo's KV
+  router (`peers.DynamoKvRouter`);
 - ``hybrid``: one decode GPU turned into a replica (1P3D -> 1R_1P_2D), placed as the paper
   authors' proxy places conversations;
 - ``ppd@w``: our router's policy (the shipped table for the configuration + online correction)
@@ -43,12 +43,11 @@ from ..policy.build import Progress
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
 from ..policy.table import Weights, bundled_table, load_table, reweight
-from ..sim import Cluster, Conversation, simulate
+from ..sim import Cluster, Conversation, peers, simulate
 from ..sim.cluster import parse_config
 from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, Outcome
 from ..sim.routing import (
     Router,
-    agg_router,
     fraction_router,
     local_router,
     paper_proxy_router,
@@ -68,13 +67,13 @@ CHAT_WINDOW_S = 10.0  # seconds of conversation arrivals per chat point, as the 
 BASE_POLICIES = ("x0", "x1", "x0.5", "replicas", "hybrid")
 
 
-def _peers() -> dict[str, Callable[[], Router]]:
-    """The peers' routers by name (`dynamo_ppd.sim.peers`), each a factory of a fresh router."""
-    try:
-        from ..sim import peers
-    except ImportError:  # the module is optional while it is being written
-        return {}
-    return dict(getattr(peers, "PEER_ROUTERS", {}))
+def _peers() -> list[str]:
+    """The peers that run on the P/D configuration itself (`dynamo_ppd.sim.peers`); Dynamo's KV
+    router over aggregated workers is the ``replicas`` policy."""
+    # dynamo-isl-or-load is the same rule as dynamo-isl-or-load-ours (Dynamo 1.6.1 has no default
+    # busy threshold, so both use our graph's 0.5): run it once.
+    return [name for name in peers.PEER_ROUTERS
+            if name not in peers.AGGREGATED_PEERS and name != "dynamo-isl-or-load"]
 
 
 def policy_names(weights: Iterable[float] = WEIGHTS) -> list[str]:
@@ -143,16 +142,14 @@ def router_for(profile: EngineProfile, config: str, policy: str, seed: int) -> t
     if policy == "x0.5":
         return config, fraction_router(0.5, seed)
     if policy == "replicas":
-        peers = _peers()
-        return replica_config(config), (peers["dynamo-kv-agg"]() if "dynamo-kv-agg" in peers else agg_router)
+        return replica_config(config), peers.make_peer_router("dynamo-kv-agg", seed, profile)
     if policy == "hybrid":
         paper = parse_paper_config(hybrid_config(config))
         return paper.cluster_config, paper_proxy_router(paper, seed)
     if policy.startswith("ppd@"):
         return config, _ppd(profile, config, float(policy[4:]))
-    peers = _peers()
-    if policy in peers:
-        return config, peers[policy]()
+    if policy in _peers():
+        return config, peers.make_peer_router(policy, seed, profile)
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(policy_names())}")
 
 
