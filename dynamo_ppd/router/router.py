@@ -326,6 +326,10 @@ class PpdRouter:
             prefill_ids, decode_ids, loads={w: self.loads.of(w, self.reports.get(w)) for w in workers},
             routed={w: self.loads.routed(w) for w in workers}, cached_tokens=cached)
 
+    def _routed_state(self, decode_ids: list[int]) -> placement.ClusterState[int]:
+        """Enough for `placement.pick_decode`: this router's own counts on these workers."""
+        return placement.ClusterState((), decode_ids, {}, {w: self.loads.routed(w) for w in decode_ids}, {})
+
     def _turn(self, plan: _Plan, request: dict, session_decode: int | None,
               record: SessionRecord | None) -> placement.TurnRequest[int]:
         stop = request.get("stop_conditions") or {}
@@ -358,7 +362,7 @@ class PpdRouter:
         """A new conversation's decode worker (`placement.pick_decode`: the least loaded now)."""
         if not ids:
             raise NoWorkers("no decode worker is available")
-        return placement.pick_decode(ids, self._state([], ids, [], None))
+        return placement.pick_decode(ids, self._routed_state(ids))
 
     async def _hybrid(self, plan: _Plan, record: SessionRecord | None, session_id: str) -> bool:
         """Hybrid (aggregated "replica" workers beside P/D, ``--replica-component``): a conversation
@@ -373,7 +377,7 @@ class PpdRouter:
         if record is not None:
             return False
         candidates = replica_ids + self._instances("decode")
-        chosen = placement.pick_decode(candidates, self._state([], candidates, [], None))
+        chosen = placement.pick_decode(candidates, self._routed_state(candidates))
         if chosen not in replica_ids:
             return False
         plan.decode, plan.decision = chosen, Decision(Route.REPLICA, "hybrid_new_conversation")
