@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 
 import msgspec
@@ -159,7 +160,10 @@ def test_table_decides_alone_without_drift_and_a_hot_decode_worker_moves_it():
     _, nominal = policy.cell_of(features())
     calm = policy.decide(nominal, history_tokens=nominal.cached_on_decode)
     assert calm.score == pytest.approx(calm.table_score)  # no drift: the measured score stands
-    hot = policy.decide(features(batch=200, kv=400_000), history_tokens=2700)
+    # The session's decode worker is hot and another one is idle: through a prefill worker the
+    # turn moves there (`moves_to_best`); decode-local it would stay in the hot batch.
+    hot_features = dataclasses.replace(features(batch=200, kv=400_000), best_decode_load=WorkerLoad())
+    hot = policy.decide(hot_features, history_tokens=2700)
     assert hot.cell == calm.cell and hot.score < calm.score
     assert hot.route is Route.VIA_PREFILL and calm.route is Route.DECODE_LOCAL
 

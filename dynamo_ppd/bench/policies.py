@@ -260,10 +260,12 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-def markdown(report: CompareReport, command: str, wall_s: float) -> str:
+def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0) -> str:
     n_points = len({(p.config, p.link, p.workload, p.rate) for p in report.points})
+    reuse = f" ({reused} of the policy runs reused from the --reuse report)" if reused else ""
     lines = ["# Every P/D policy on one simulated cluster", "",
-             f"Produced by `{command}` in {wall_s / 60:.1f} min: {n_points} points x policies, profile "
+             f"Produced by `{command}` in {wall_s / 60:.1f} min{reuse}: {n_points} points x policies, "
+             f"profile "
              f"`{report.profile}`, seeds {report.seeds}. Score of A against B: the paper's, "
              "`w_ttft (TTFT_B - TTFT_A)/TTFT_B - w_tpot (TPOT_A - TPOT_B)/TPOT_B` on turn-2+ mean TTFT "
              "(failed follow-ups at the timeout) and turn-2+ mean TPOT; missing the 95% success bar "
@@ -383,6 +385,7 @@ def main(args: argparse.Namespace) -> int:
     specs = [CompareSpec(args.profile, c, link, w, r, policy, args.seed) for c in args.configs
              for link in args.links for w in args.workloads for r in args.rates for policy in policies]
     points: list[PolicyPoint] = []
+    reused = 0
     if args.reuse is not None:
         try:
             previous = msgspec.json.decode(args.reuse.read_bytes(), type=CompareReport)
@@ -397,6 +400,7 @@ def main(args: argparse.Namespace) -> int:
         points = [p for p in previous.points if (p.config, p.link, p.workload, p.rate, p.policy) in wanted]
         have = {(p.config, p.link, p.workload, p.rate, p.policy) for p in points}
         specs = [s for s in specs if (s.config, s.link, s.workload, s.rate, s.policy) not in have]
+        reused = len(points)
     progress = Progress(max(1, len(specs)), "sim compare")
     started = time.monotonic()
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -405,7 +409,7 @@ def main(args: argparse.Namespace) -> int:
             progress.step()
     wall = time.monotonic() - started
     report = compare(points, args.links, args.weights, args.profile, [args.seed])
-    text = markdown(report, "dynamo-ppd " + " ".join(sys.argv[1:]), wall)
+    text = markdown(report, "dynamo-ppd " + " ".join(sys.argv[1:]), wall, reused)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text)

@@ -150,6 +150,8 @@ class ProfilePredictor:
         # by both and cancels out of the comparison).
         self.handoff_s = profile.stack.handoff_overhead_s
         self.decode_local_s = profile.stack.decode_local_overhead_s
+        full = profile.engine.max_num_tokens
+        self._prefill_s_per_token = self.cost.iteration(0, 0, [PrefillChunk(full, 0, True)]).total_s / full
 
     def _decode_step_s(self, load: WorkerLoad, prompt_tokens: int) -> float:
         return self.cost.iteration(load.decode_requests + 1, load.decode_kv_tokens + prompt_tokens).total_s
@@ -179,9 +181,12 @@ class ProfilePredictor:
         return local, via_prefill
 
     def _queue_s(self, load: WorkerLoad) -> float:
-        """Time to prefill the prompt tokens queued on a worker ahead of a new request."""
-        pending = load.pending_prefill_tokens
-        return self.cost.iteration(0, 0, [PrefillChunk(pending, 0, True)]).total_s if pending else 0.0
+        """Time the prompt tokens queued on a worker ahead of a new request add to its wait: their
+        share of full prefill chunks, linear in the tokens. Not one iteration of that size: an
+        iteration's fixed part (the weights streamed once) would make a cell's mean queue of a
+        few tokens (a worker busy now and then) cost ~5 ms, and the online correction would then
+        read an idle prefill worker as several ms faster than the cell it was measured in."""
+        return load.pending_prefill_tokens * self._prefill_s_per_token
 
 
 @dataclass(frozen=True)
