@@ -20,6 +20,20 @@ def _port(text: str) -> int:
     return value
 
 
+def positive_floats(kind: str = "values"):
+    """An argparse type: a comma-separated list of positive numbers (rates, weights)."""
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(item) for item in text.split(",") if item.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated {kind} like 0.5,1,2") from None
+        if not values or min(values) <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: {kind} must be positive")
+        return values
+
+    return parse
+
+
 def comma_choices(kind: str, choices, separator: str = ", "):
     """An argparse type: a comma-separated list, each item one of ``choices`` (in order given)."""
     def parse(text: str) -> list[str]:

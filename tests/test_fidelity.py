@@ -40,7 +40,7 @@ def test_bad_paper_settings_exit_2_with_one_line(capsys, tmp_path):
     assert "1P_3D" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["sim", "paper", "--config", "1P_3D", "--workloads", "small_nope", "--out", "x.csv"])
-    assert "unknown workload small_nope" in capsys.readouterr().err
+    assert "unknown workload 'small_nope'" in capsys.readouterr().err
 
 
 def test_fidelity_of_the_measurements_against_themselves_is_perfect():

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import msgspec
 
+from ..cli import comma_choices, positive_floats
 from ..engine.profile import EngineProfile, ProfileError, TransferConstants, link_preset, load_profile
 from ..policy.build import Progress  # the one progress bar (shared with table builds)
 from ..sim import Cluster, simulate
@@ -124,29 +125,6 @@ def points_csv(points: Iterable[PaperPoint]) -> str:
 
 # -- CLI -----------------------------------------------------------------------------------------
 
-def _names(choices: Iterable[str], what: str) -> Callable[[str], list[str]]:
-    known = list(choices)
-
-    def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        unknown = [n for n in names if n not in known]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or '(none)'}; "
-                                             f"choose from {', '.join(known)}")
-        return names
-    return parse
-
-
-def _rates(text: str) -> list[float]:
-    try:
-        rates = [float(r) for r in text.split(",") if r.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated rates like 0.5,1,2") from None
-    if not rates or min(rates) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: rates must be positive")
-    return rates
-
-
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Options `sim paper` and `sim fidelity` share."""
     parser.add_argument("--profile", default=PAPER_PROFILE,
@@ -154,10 +132,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         "paper authors' vLLM stack on H100, fitted to their measurements)")
     parser.add_argument("--link", choices=("profile", "intra-node", "cross-node"), default="profile",
                         help="KV link of the prefill workers: the profile's own (default) or a preset")
-    parser.add_argument("--workloads", type=_names(PAPER_WORKLOADS, "workload"),
+    parser.add_argument("--workloads", type=comma_choices("workload", list(PAPER_WORKLOADS)),
                         default=list(PAPER_WORKLOADS), metavar="NAMES",
                         help="comma-separated paper workloads (default: all 18)")
-    parser.add_argument("--qps", type=_rates, default=list(PAPER_QPS), metavar="RATES",
+    parser.add_argument("--qps", type=positive_floats("rates"), default=list(PAPER_QPS), metavar="RATES",
                         help="comma-separated conversation rates (default: the paper's 10)")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals, prompts, tokens and placement")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,

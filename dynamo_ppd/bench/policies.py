@@ -32,12 +32,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import msgspec
 
+from ..cli import comma_choices, positive_floats
 from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, link_preset, load_profile
 from ..policy.build import Progress
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
@@ -326,36 +327,29 @@ def plot(report: CompareReport, out_dir: Path, stem: str) -> list[Path]:
 
 # -- CLI -----------------------------------------------------------------------------------------
 
-def _csv(kind: Callable[[str], object], known: Sequence[object] | None = None) -> Callable[[str], list]:
-    def parse(text: str) -> list:
-        try:
-            values = [kind(v.strip()) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
-        bad = [v for v in values if known is not None and v not in known]
-        if bad or not values:
-            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(str, bad)) or '(empty)'}; "
-                                             f"choose from {', '.join(map(str, known or []))}")
-        return values
-    return parse
+def _names(text: str) -> list[str]:
+    """A comma-separated list, checked in `main` (ppd@w accepts any weight)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `dynamo-ppd sim compare`."""
     parser.add_argument("--profile", default=DEFAULT_PROFILE,
                         help="engine profile (default: the TensorRT-LLM one)")
-    parser.add_argument("--configs", type=_csv(str, CONFIGS), default=list(CONFIGS), metavar="LIST",
+    parser.add_argument("--configs", type=comma_choices("configuration", list(CONFIGS)),
+                        default=list(CONFIGS), metavar="LIST",
                         help="P:D configurations (default: 1P3D,2P2D,3P1D)")
-    parser.add_argument("--links", type=_csv(str, LINKS), default=list(LINKS), metavar="LIST",
+    parser.add_argument("--links", type=comma_choices("link", list(LINKS)), default=list(LINKS),
+                        metavar="LIST",
                         help="KV link presets (default: intra-node,cross-node)")
-    parser.add_argument("--workloads", type=_csv(str, [*PAPER_WORKLOADS, *CHAT_WORKLOADS]),
+    parser.add_argument("--workloads", type=comma_choices("workload", [*PAPER_WORKLOADS, *CHAT_WORKLOADS]),
                         default=[*PAPER_WORKLOADS, *CHAT_WORKLOADS], metavar="LIST",
                         help="the paper's 18 workloads, wildchat, sharegpt (default: all 20)")
-    parser.add_argument("--rates", type=_csv(float), default=list(PAPER_QPS), metavar="LIST",
+    parser.add_argument("--rates", type=positive_floats("rates"), default=list(PAPER_QPS), metavar="LIST",
                         help="conversation rates (default: the paper's 10)")
-    parser.add_argument("--weights", type=_csv(float), default=list(WEIGHTS), metavar="LIST",
+    parser.add_argument("--weights", type=positive_floats("weights"), default=list(WEIGHTS), metavar="LIST",
                         help="w_tpot values (w_ttft 1) to score at and to run PPD at (default: 1,3,6)")
-    parser.add_argument("--policies", type=_csv(str), metavar="LIST",
+    parser.add_argument("--policies", type=_names, metavar="LIST",
                         help="policies to run (default: all: x0, x1, x0.5, replicas, hybrid, the peers, "
                         "ppd@w)")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals, prompts, tokens and draws")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import msgspec
 
+from ..cli import positive_floats
 from ..engine.profile import EngineProfile, ProfileError, load_profile
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
@@ -37,10 +38,9 @@ from ..sim.cluster import parse_config
 from ..sim.outcome import PAPER_TIMEOUT_S, paper_columns
 from ..sim.routing import Router, paper_proxy_router, parse_paper_config
 from . import paper_data as pdata
-from .paper import run_protocol
+from .paper import PAPER_PROFILE, run_protocol
 from .workloads import PAPER_KILL_AFTER_S, PAPER_MAX_CONNECTIONS, PAPER_WORKLOADS, paper_workload
 
-PAPER_PROFILE = "h100-llama3.1-8b-vllm-paper"
 CONFIGS = ("1P3D", "2P2D", "3P1D")
 # The measured x=0 / x=1 twins of our configurations (2P_2D and its twins are kept back).
 MEASURED = {"1P3D": ("1P_3D", "1P_3pD"), "3P1D": ("3P_1D", "3P_1pD")}
@@ -397,16 +397,6 @@ def _plot_fig6(path: Path, implied, policy_rows: list[list[Result]]) -> None:
     plt.close(fig)
 
 
-def _rates(text: str) -> list[float]:
-    try:
-        rates = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated rates like 1,4,10") from None
-    if not rates or min(rates) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: rates must be positive")
-    return rates
-
-
 def _workloads(text: str) -> list[str]:
     names = list(PAPER_WORKLOADS) if text == "all" else [x.strip() for x in text.split(",") if x.strip()]
     unknown = [n for n in names if n not in PAPER_WORKLOADS]
@@ -422,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=PAPER_PROFILE,
                         help="engine profile of the simulated cluster: a bundled name or a YAML path "
                         f"(default: {PAPER_PROFILE}, the paper authors' vLLM stack on H100)")
-    parser.add_argument("--rates", type=_rates, default=list(DEFAULT_RATES),
+    parser.add_argument("--rates", type=positive_floats("rates"), default=list(DEFAULT_RATES),
                         help="conversation rates of Table 1, Table 3 and the implied shares (a subset "
                         "of the paper's 0.5..20, to stay within minutes; the measured side must have them)")
     parser.add_argument("--workloads", type=_workloads, default=list(PAPER_WORKLOADS),
