@@ -300,15 +300,19 @@ def plot(report: CompareReport, out_dir: Path, stem: str) -> list[Path]:
             if not pts:
                 continue
             fig, axes = plt.subplots(1, 2, figsize=(12, 5))
-            for policy in sorted({p.policy for p in pts}):
+            cmap = plt.get_cmap("tab20")
+            colors = [cmap(i) for i in range(20)]  # 13+ policies: tab10 would repeat colours
+            for index, policy in enumerate(sorted({p.policy for p in pts})):
+                style = {"color": colors[index % len(colors)], "marker": "os^Dv"[index % 5], "s": 36,
+                         "label": policy}
                 mine = [p for p in pts if p.policy == policy and p.turn2_ttft_s and p.turn2_tpot_s]
                 if not mine:
                     continue
                 p99 = [p.turn2_p99_ttft_s for p in mine if p.turn2_p99_ttft_s]
                 axes[0].scatter(sum(p.tokens_per_sec for p in mine) / len(mine),
-                                1e3 * sum(p99) / max(1, len(p99)), label=policy, s=30)
+                                1e3 * sum(p99) / max(1, len(p99)), **style)
                 axes[1].scatter(1e3 * sum(p.turn2_tpot_s or 0 for p in mine) / len(mine),
-                                1e3 * sum(p.turn2_ttft_s or 0 for p in mine) / len(mine), label=policy, s=30)
+                                1e3 * sum(p.turn2_ttft_s or 0 for p in mine) / len(mine), **style)
             axes[0].set_xlabel("throughput (output tok/s, mean over points)")
             axes[0].set_ylabel("turn-2+ P99 TTFT (ms, mean over points)")
             axes[1].set_xlabel("turn-2+ mean TPOT (ms)")
