@@ -236,3 +236,20 @@ def test_per_sequence_overhead_grows_the_iteration_with_the_batch():
     for batch in (1, 50):
         extra = costly.iteration(batch, batch * 500).total_s - base.iteration(batch, batch * 500).total_s
         assert extra == pytest.approx(batch * 1e-4)
+
+
+def test_waiting_prompt_tokens_count_only_the_prefill_work_ahead():
+    engine = Engine(PROFILE)
+    history = fresh(1000, 1)
+    engine.submit(EngineRequest("t1", history, 8), 0.0)
+    now, outputs = run_until_idle(engine)
+    reply = [t for o in outputs for t in o.token_ids]
+    turn2 = history + reply + fresh(20, 2)
+    engine.submit(EngineRequest("t2", turn2, 8, prompt_hashes=engine.cache.prefix_hashes(turn2)), now)
+    engine.submit(EngineRequest("g", fresh(700, 3), 4, RequestKind.GENERATION_ONLY, first_token=7,
+                                kv_ready_at=now + 1), now)
+    load = engine.load()
+    assert load.waiting_requests == 2
+    cached = (1000 + 8 - 1) // 32 * 32
+    # The append computes what its cached prefix lacks; the transferred request computes nothing.
+    assert load.waiting_prompt_tokens == len(turn2) - cached

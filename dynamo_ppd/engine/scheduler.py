@@ -126,7 +126,7 @@ class LoadSnapshot:
     """What a router or a metrics publisher wants to know about this worker now."""
 
     waiting_requests: int
-    waiting_prompt_tokens: int
+    waiting_prompt_tokens: int  # of waiting requests it will prefill (not generation_only ones)
     awaiting_kv_requests: int
     awaiting_kv_tokens: int  # prompt tokens whose KV is being transferred here
     prefill_requests: int
@@ -263,7 +263,12 @@ class Engine:
         return self.cache.drain_events()
 
     def load(self) -> LoadSnapshot:
-        waiting_tokens = sum(r.prompt_tokens for r in self._waiting)
+        # Prompt tokens this engine will compute: a generation_only request waiting for a slot
+        # gets its KV by transfer, and a waiting append-prefill computes only what its cached
+        # prefix lacks. Counted whole, they made a busy decode worker look as if it had a long
+        # prefill queue (a 2,000-token history for a 20-token append), and a router avoided it.
+        waiting_tokens = sum(self._uncached_tokens(r) for r in self._waiting
+                             if r.kind is not RequestKind.GENERATION_ONLY)
         prefill = [r for r in self._running if r.phase is Phase.PREFILL]
         decode = [r for r in self._running if r.phase is Phase.DECODE]
         awaiting = [r for r in self._running if r.phase is Phase.AWAITING_KV]
@@ -275,6 +280,12 @@ class Engine:
             decode_requests=len(decode), decode_kv_tokens=sum(r.kv.kv_tokens for r in decode),
             kv_used_blocks=self.cache.used_blocks, kv_active_blocks=self.cache.active_blocks,
             kv_reserved_blocks=self.cache.reserved_blocks, kv_capacity_blocks=self.cache.capacity)
+
+    def _uncached_tokens(self, request: EngineRequest) -> int:
+        if request.prompt_hashes is None:
+            return request.prompt_tokens
+        cached = self.cache.match_blocks(request.prompt_hashes) * self.block_size
+        return max(1, request.prompt_tokens - cached)  # a fully cached prompt still computes one
 
     def get(self, request_id: str) -> EngineRequest | None:
         return self._by_id.get(request_id)

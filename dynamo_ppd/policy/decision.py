@@ -245,12 +245,16 @@ class Policy:
             return Decision(route, "predicted", live, local_p, prefill_p,
                             raw=raw_local if route is Route.DECODE_LOCAL else raw_prefill)
         key = self.cell_key(f)
-        measured, nominal_score = self._cell_scores(key)
+        measured, (nominal_local, nominal_prefill) = self._cell_scores(key)
         s = measured
         if self.online_correction:
-            # How far this request's conditions move the score from the cell's (the nominal ones
-            # are predicted without calibration: the table measured them as they were).
-            s += live - nominal_score
+            # How far this request's conditions move the score from the cell's. The nominal
+            # conditions go through the same calibration as the live ones, so that only the
+            # conditions differ: the model's own bias is already in the measured score, and an
+            # uncalibrated nominal would add it again (flipping cells with a small margin).
+            nominal = score(self.calibration.apply(Route.DECODE_LOCAL, nominal_local),
+                            self.calibration.apply(Route.VIA_PREFILL, nominal_prefill), w_ttft, w_tpot)
+            s += live - nominal
         route = _route(s)
         raw = raw_local if route is Route.DECODE_LOCAL else raw_prefill
         return Decision(route, "table_corrected" if self.online_correction else "table", s, local_p,
@@ -260,19 +264,19 @@ class Policy:
         """Use another table (the router switches when the live P:D configuration changes)."""
         self.table = table
         self._cells = table.index() if table else {}
-        # Per cell, fixed for given weights: (measured score, predicted score of its conditions).
-        self._cell_score_cache: dict[tuple[str, str, float], tuple[float, float]] = {}
+        # Per cell, fixed for given weights: (measured score, the predictions of its conditions).
+        self._cell_score_cache: dict[tuple[str, str, float], tuple[float, tuple[Prediction, Prediction]]] = {}
         self._workload_points = ([(w.name, math.log(w.input_tokens), math.log(w.output_tokens))
                                   for w in table.grid.workload_classes] if table else [])
 
-    def _cell_scores(self, key: tuple[str, str, float]) -> tuple[float, float]:
+    def _cell_scores(self, key: tuple[str, str, float]) -> tuple[float, tuple[Prediction, Prediction]]:
         cached = self._cell_score_cache.get(key)
         if cached is None:
             assert self.predictor is not None
             w_ttft, w_tpot = self.config.w_ttft, self.config.w_tpot
             cell = self._cells[key]
             measured = score(cell.decode_local.prediction(), cell.via_prefill.prediction(), w_ttft, w_tpot)
-            cached = (measured, score(*self.predictor.predict(self.nominal(key)), w_ttft, w_tpot))
+            cached = (measured, self.predictor.predict(self.nominal(key)))
             self._cell_score_cache[key] = cached
         return cached
 
@@ -305,9 +309,15 @@ class Policy:
         cell = self._cells[key]
         seen = cell.decode_local.conditions
         cached = max(0, context.representative_tokens - workload.input_tokens)
+        # The prefill worker holds turn 1's prompt, which it computed, but never turn 1's answer
+        # (decoded elsewhere): a cell's via-prefill follow-up recomputed that answer there. Not
+        # counting it made every live follow-up look slower through P than the cell's nominal
+        # one, and the online correction then flipped cells that were measured decode-local.
+        on_prefill = max(0, cached - context.first_output_tokens)
         return RequestFeatures(
             decision_key=f"{key}", turn=2, prompt_tokens=context.representative_tokens,
-            cached_on_decode=cached, cached_on_prefill=cached, expected_output_tokens=workload.output_tokens,
+            cached_on_decode=cached, cached_on_prefill=on_prefill,
+            expected_output_tokens=workload.output_tokens,
             has_session_decode=True,
             decode_load=WorkerLoad(decode_requests=round(seen.decode_batch),
                                    decode_kv_tokens=round(seen.decode_kv_tokens)),

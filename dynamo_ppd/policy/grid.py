@@ -34,6 +34,9 @@ from ..bench.workloads import PAPER_QPS, PAPER_T1, PAPER_T2
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 
 
+DERIVED_FIRST_OUTPUT = 128  # turn-1 output of a class without a paper T1 (huge)
+
+
 class ContextClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     max_tokens: int | None  # upper bound (inclusive); None for the last class
@@ -41,6 +44,11 @@ class ContextClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The cells' first turn (prompt tokens, output tokens): the paper's T1. None: derived per
     # cell so that the turn-2 prompt is ``representative_tokens`` (128 output tokens).
     first_turn: tuple[Annotated[int, msgspec.Meta(gt=0)], Annotated[int, msgspec.Meta(gt=0)]] | None = None
+
+    @property
+    def first_output_tokens(self) -> int:
+        """Turn 1's answer in this class's cells (the paper T1's, else `DERIVED_FIRST_OUTPUT`)."""
+        return self.first_turn[1] if self.first_turn is not None else DERIVED_FIRST_OUTPUT
 
 
 class WorkloadClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -162,8 +162,8 @@ def cell_workload(context: ContextClass, workload: WorkloadClass, qps: float, du
         first = context.first_turn
     else:
         template = 2 * TEMPLATE_TOKENS  # BOS + user header on turn 1, end-of-turn + header on turn 2
-        rest = context.representative_tokens - _DERIVED_FIRST_OUTPUT - workload.input_tokens - template
-        first = (max(1, rest), _DERIVED_FIRST_OUTPUT)
+        rest = context.representative_tokens - context.first_output_tokens - workload.input_tokens - template
+        first = (max(1, rest), context.first_output_tokens)
     plan = [Turn(*first), Turn(workload.input_tokens, workload.output_tokens)]
     for attempt in range(_MAX_REDRAWS):
         draw = seed + attempt * _REDRAW_STRIDE
@@ -174,7 +174,6 @@ def cell_workload(context: ContextClass, workload: WorkloadClass, qps: float, du
                      f"in {_MAX_REDRAWS} draws; use a longer duration")
 
 
-_DERIVED_FIRST_OUTPUT = 128  # turn-1 output of a class without a paper T1 (huge)
 _MAX_REDRAWS = 50
 _REDRAW_STRIDE = 1_000_003  # far from the next seeds a caller might use
 
