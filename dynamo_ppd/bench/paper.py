@@ -29,7 +29,7 @@ import msgspec
 from ..cli import comma_choices, positive_floats
 from ..engine.profile import EngineProfile, ProfileError, TransferConstants, link_preset, load_profile
 from ..policy.build import Progress  # the one progress bar (shared with table builds)
-from ..sim import Cluster, simulate
+from ..sim import Cluster, Conversation, simulate
 from ..sim.outcome import PAPER_TIMEOUT_S, paper_columns
 from ..sim.routing import Router, paper_proxy_router, parse_paper_config
 from ..sim.run import SimResult
@@ -48,18 +48,30 @@ class PointSpec(msgspec.Struct, frozen=True):
     seed: int = 0
 
 
-def run_protocol(profile: EngineProfile, cluster_config: str, router: Router, workload: str, qps: float,
-                 seed: int = 0, link: TransferConstants | None = None,
-                 link_bandwidth_bytes_s: float | None = None) -> SimResult:
-    """One (workload, QPS) point of the authors' protocol with any router: their arrivals and two
-    turns, their client (history sent as text, 50 connections, 120 s timeout) and the 600 s cut.
-    A router that learns from outcomes (``on_finish``) sees every finished turn."""
-    conversations = [msgspec.structs.replace(c, history_as_text=True)
-                     for c in paper_workload(workload, qps, seed)]
+def simulate_point(profile: EngineProfile, cluster_config: str, router: Router,
+                   conversations: list[Conversation], timeout_s: float, seed: int = 0,
+                   link: TransferConstants | None = None, link_bandwidth_bytes_s: float | None = None,
+                   max_connections: int | None = None) -> SimResult:
+    """One point on a fresh cluster: the conversations through ``router``, each turn given
+    ``timeout_s``, the run cut at the protocol's 600 s. A router that learns from outcomes
+    (``on_finish``) sees every finished turn."""
     cluster = Cluster.from_config(profile, cluster_config, seed=seed, link=link,
                                   link_bandwidth_bytes_s=link_bandwidth_bytes_s)
-    return simulate(cluster, conversations, router, until_s=PAPER_KILL_AFTER_S, timeout_s=PAPER_TIMEOUT_S,
-                    max_connections=PAPER_MAX_CONNECTIONS, on_finish=getattr(router, "on_finish", None))
+    return simulate(cluster, conversations, router, until_s=PAPER_KILL_AFTER_S, timeout_s=timeout_s,
+                    max_connections=max_connections, on_finish=getattr(router, "on_finish", None))
+
+
+def run_protocol(profile: EngineProfile, cluster_config: str, router: Router, workload: str, qps: float,
+                 seed: int = 0, link: TransferConstants | None = None,
+                 link_bandwidth_bytes_s: float | None = None, history_as_text: bool = True) -> SimResult:
+    """One (workload, QPS) point of the authors' protocol with any router: their arrivals and two
+    turns, their client (50 connections, 120 s timeout, the history sent as text unless
+    ``history_as_text`` is False: then token for token, as our router's chat clients send it)."""
+    conversations = paper_workload(workload, qps, seed)
+    if history_as_text:
+        conversations = [msgspec.structs.replace(c, history_as_text=True) for c in conversations]
+    return simulate_point(profile, cluster_config, router, conversations, PAPER_TIMEOUT_S, seed, link,
+                          link_bandwidth_bytes_s, PAPER_MAX_CONNECTIONS)
 
 
 def run_point(profile: EngineProfile, spec: PointSpec, link: TransferConstants | None = None) -> PaperPoint:

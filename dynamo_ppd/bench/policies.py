@@ -44,7 +44,7 @@ from ..policy.build import Progress
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
 from ..policy.table import Weights, bundled_table, load_table, reweight
-from ..sim import Cluster, Conversation, peers, simulate
+from ..sim import Conversation, peers
 from ..sim.cluster import parse_config
 from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, Outcome
 from ..sim.routing import (
@@ -56,7 +56,8 @@ from ..sim.routing import (
     pd_router,
 )
 from .manifest import to_sim
-from .workloads import PAPER_KILL_AFTER_S, PAPER_QPS, PAPER_WORKLOADS, make_workload, paper_workload
+from .paper import simulate_point
+from .workloads import PAPER_QPS, PAPER_WORKLOADS, make_workload, paper_workload
 
 CONFIGS = ("1P3D", "2P2D", "3P1D")
 LINKS = ("intra-node", "cross-node")
@@ -158,9 +159,8 @@ def run_spec(spec: CompareSpec) -> PolicyPoint:
     profile = load_profile(spec.profile)
     cluster_config, router = router_for(profile, spec.config, spec.policy, spec.seed)
     conversations, timeout_s = _conversations(spec.workload, spec.rate, spec.seed)
-    cluster = Cluster.from_config(profile, cluster_config, seed=spec.seed, link=link_preset(spec.link))
-    result = simulate(cluster, conversations, router, until_s=PAPER_KILL_AFTER_S, timeout_s=timeout_s,
-                      on_finish=getattr(router, "on_finish", None))
+    result = simulate_point(profile, cluster_config, router, conversations, timeout_s, spec.seed,
+                            link_preset(spec.link))
     outcome: Outcome = result.outcome()
     return PolicyPoint(spec.config, spec.link, spec.workload, spec.rate, spec.policy, outcome.success_rate,
                        outcome.turn2_ttft_mean_with_timeouts_s, outcome.turn2.avg_tpot_s,

@@ -33,13 +33,12 @@ from ..engine.profile import EngineProfile, ProfileError, load_profile
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
 from ..policy.table import Weights, bundled_table, load_table, reweight
-from ..sim import Cluster, simulate
 from ..sim.cluster import parse_config
-from ..sim.outcome import PAPER_TIMEOUT_S, paper_columns
+from ..sim.outcome import paper_columns
 from ..sim.routing import Router, paper_proxy_router, parse_paper_config
 from . import paper_data as pdata
 from .paper import PAPER_PROFILE, run_protocol
-from .workloads import PAPER_KILL_AFTER_S, PAPER_MAX_CONNECTIONS, PAPER_WORKLOADS, paper_workload
+from .workloads import PAPER_WORKLOADS
 
 CONFIGS = ("1P3D", "2P2D", "3P1D")
 # The measured x=0 / x=1 twins of our configurations (2P_2D and its twins are kept back).
@@ -114,15 +113,8 @@ def run(spec: Spec) -> Result:
         paper = parse_paper_config(paper_config_name(spec.config, spec.system))
         cluster_config = paper.cluster_config
         router = paper_proxy_router(paper, spec.seed)
-    if spec.history_as_text:  # the authors' client, exactly (the one definition of it)
-        result = run_protocol(profile, cluster_config, router, spec.workload, spec.qps, spec.seed,
-                              link_bandwidth_bytes_s=spec.bandwidth_bytes_s)
-    else:  # the same protocol with the history token for token, as our router's clients send it
-        cluster = Cluster.from_config(profile, cluster_config, seed=spec.seed,
-                                      link_bandwidth_bytes_s=spec.bandwidth_bytes_s)
-        result = simulate(cluster, paper_workload(spec.workload, spec.qps, spec.seed), router,
-                          until_s=PAPER_KILL_AFTER_S, timeout_s=PAPER_TIMEOUT_S,
-                          max_connections=PAPER_MAX_CONNECTIONS, on_finish=getattr(router, "on_finish", None))
+    result = run_protocol(profile, cluster_config, router, spec.workload, spec.qps, spec.seed,
+                          link_bandwidth_bytes_s=spec.bandwidth_bytes_s, history_as_text=spec.history_as_text)
     point = pdata.point_from_columns(f"{spec.config}:{spec.system}", spec.workload, spec.qps,
                                      paper_columns(result.outcome()))
     return Result(point, result.local_share())

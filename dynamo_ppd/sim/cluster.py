@@ -126,7 +126,9 @@ class Cluster:
         self.stack = profile.stack
         self.kv_bytes_per_token = profile.model.kv_bytes_per_token
         constants = link or profile.transfer
-        bandwidth = link_bandwidth_bytes_s or constants.link_bandwidth_bytes_s
+        bandwidth = constants.link_bandwidth_bytes_s
+        if link_bandwidth_bytes_s is not None:  # 0 or less is refused by the link, not replaced
+            bandwidth = link_bandwidth_bytes_s
         setup_s = constants.transfer_setup_s
         self.workers: dict[str, Worker] = {}
         index = itertools.count()

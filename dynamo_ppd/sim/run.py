@@ -145,16 +145,17 @@ class _Driver:
     def arrive(self, conv: _Conversation) -> None:
         """A conversation's first turn is sent: it takes a connection, or waits for one (the
         wait counts in its TTFT and its timeout, as the client's clock started at the send)."""
-        if self.max_connections is None or len(self.connected) < self.max_connections:
-            self.connected.add(conv)
-            self.start_turn(conv)
-            return
-        self.waiting.append(conv)
         conversation = conv.conversation
-        # Sent already, as far as the client is concerned: it fails if its deadline passes first.
+        # Sent, as far as the client is concerned: it fails if its deadline passes first, also
+        # while it waits for a connection.
         conv.in_flight = InFlightTurn(conversation.conversation_id, 1, conversation.arrival_s)
         if self.timeout_s is not None:
             self.cluster.call_at(conversation.arrival_s + self.timeout_s, self.give_up, conv, 1)
+        if self.max_connections is None or len(self.connected) < self.max_connections:
+            self.connected.add(conv)
+            self.start_turn(conv)
+        else:
+            self.waiting.append(conv)
 
     def end(self, conv: _Conversation) -> None:
         """The conversation is over (answered, or given up): its connection goes to the
@@ -195,7 +196,7 @@ class _Driver:
             cluster.prompt_hashes(prompt), turn.max_tokens, sent_at, route,
             functools.partial(self.finish_turn, conv, features)))
         conv.in_flight = InFlightTurn(conversation.conversation_id, conv.next_turn, sent_at)
-        if self.timeout_s is not None:
+        if self.timeout_s is not None and conv.next_turn > 1:  # turn 1's deadline is set at arrival
             cluster.call_at(sent_at + self.timeout_s, self.give_up, conv, conv.next_turn)
 
     def finish_turn(self, conv: _Conversation, features: RequestFeatures, request: ClusterRequest) -> None:
@@ -226,12 +227,10 @@ class _Driver:
         else:
             self.end(conv)
 
-    def settled(self, now: float) -> bool:
-        """Every conversation is over or has given up on its turn in flight: nothing that happens
-        from now on changes the outcome."""
-        timeout = self.timeout_s
-        return all(c.over or (timeout is not None and c.in_flight is not None
-                              and now > c.in_flight.arrival_s + timeout) for c in self.conversations)
+    def settled(self) -> bool:
+        """Every conversation is over (answered, or given up at its deadline by `give_up`):
+        nothing that happens from now on changes the outcome."""
+        return all(c.over for c in self.conversations)
 
 
 def simulate(cluster: Cluster, conversations: list[Conversation], router: Router,
@@ -269,7 +268,7 @@ def simulate(cluster: Cluster, conversations: list[Conversation], router: Router
     while True:
         stop = end + _CHECK_EVERY_S if until_s is None else min(end + _CHECK_EVERY_S, until_s)
         end = cluster.run(stop)
-        if end < stop or (until_s is not None and end >= until_s) or driver.settled(end):
+        if end < stop or (until_s is not None and end >= until_s) or driver.settled():
             break  # no events left, the clock reached until_s, or the outcome is decided
     wall = time.perf_counter() - started
     records = sorted(driver.records, key=lambda r: (r.arrival_s, r.conversation_id, r.turn))
