@@ -98,25 +98,67 @@ def test_client_reports_failures():
     assert len(results) == 1 and not results[0].ok and results[0].error
 
 
+def test_dilated_client_stretches_the_schedule_and_reports_model_time(stub):
+    """At dilation 2 the stub's 80 ms first token and 20 ms gaps are 40 ms and 10 ms of model
+    time; the think time and the arrivals are stretched on the wall clock."""
+    manifest = Manifest(header=None, conversations=[
+        ManifestConversation("c1", 0.05, [ManifestTurn(max_tokens=4, user_text="hello"),
+                                          ManifestTurn(max_tokens=4, user_tokens=3, think_time_s=0.1)])])
+    results = sorted(asyncio.run(run_manifest(stub, manifest, dilation=2.0)), key=lambda r: r.turn)
+    assert [r.ok for r in results] == [True, True]
+    for r in results:
+        assert r.ttft_s == pytest.approx(FIRST_TOKEN_S / 2, abs=0.015)
+        assert r.tpot_s == pytest.approx(GAP_S / 2, abs=0.005)
+    assert results[0].sent_s == pytest.approx(0.05, abs=0.01)  # model seconds from the start
+    gap = results[1].sent_s - (results[0].sent_s + results[0].e2e_s)
+    assert gap == pytest.approx(0.1, abs=0.015)  # the think time, in model seconds (0.2 s of wall)
+
+
+def test_horizon_cuts_running_requests_and_leaves_them_out(stub):
+    """A 2 s answer running at a 0.3 s horizon is cut (not a failure); a conversation arriving
+    after the horizon never starts; the short one before it counts."""
+    manifest = Manifest(header=None, conversations=[
+        ManifestConversation("short", 0.0, [ManifestTurn(max_tokens=2, user_text="a")]),
+        ManifestConversation("long", 0.0, [ManifestTurn(max_tokens=100, user_text="b")]),
+        ManifestConversation("late", 0.5, [ManifestTurn(max_tokens=2, user_text="c")])])
+    results = asyncio.run(run_manifest(stub, manifest, horizon_s=0.3))
+    by_id = {r.conversation_id: r for r in results}
+    assert set(by_id) == {"short", "long"}
+    assert by_id["short"].ok and not by_id["short"].cut
+    assert by_id["long"].cut and not by_id["long"].ok and by_id["long"].error is None
+    point = summarize("stub", "test", 1.0, results, duration_s=0.3)
+    assert point.cut == 1 and point.outcome.total_requests == 1 and point.outcome.success_rate == 100.0
+    assert [s.conversation_id for s in point.samples] == ["short"]
+
+
 def test_bench_compare_two_systems_end_to_end(model_dir, tmp_path):
-    """`bench compare` brings up pd and ppd on the simulated cluster, plays the same manifest,
-    and writes results.json, results.md and a plot."""
+    """`bench compare` brings up pd and ppd on the simulated cluster at dilation 2 (workers and
+    router at --speedup 0.5), plays the same manifest, simulates it on the virtual clock, and
+    writes results.json, results.md and a plot."""
     from dynamo_ppd.bench import results as res
     from dynamo_ppd.bench.compare import compare
 
     out = tmp_path / "out"
-    results = compare(["pd", "ppd"], "turns-4", None, [1.0], duration_s=4, config="1P2D", out_dir=out)
+    results = compare(["pd", "ppd"], "turns-4", None, [1.0], config="1P2D", out_dir=out, conversations=3,
+                      size=False, dilation=[2.0])
     assert {p.system for p in results.points} == {"pd", "ppd"}
     for point in results.points:
         o = point.outcome
+        assert point.dilation == 2.0 and point.conversations == 3 and point.cut == 0
         assert o.total_requests > 0 and o.success_rate == 100.0
         assert o.turn2.count > 0 and o.all_turns.p50_tpot_s is not None and o.all_turns.p50_tpot_s > 0
         assert point.client_lag_ms.p99 < 50  # the client kept up
+        assert point.sim_outcome is not None and point.sim_samples
+        assert point.cpu_cores.get("frontend", 0) > 0 and "client" in point.cpu_cores
+        # Model time: TPOT near the virtual clock's (the workers ran at half speed, the client
+        # divided by 2), not twice it.
+        assert o.all_turns.p50_tpot_s == pytest.approx(point.sim_outcome.all_turns.p50_tpot_s, rel=0.25)
+    assert "router" in next(p for p in results.points if p.system == "ppd").cpu_cores
     assert res.load(out / "results.json") == results
     old = out / "old.json"
-    old.write_text('{"version": 1, "config": "1P2D", "points": []}')
-    with pytest.raises(res.ResultsError, match="results version 1, this dynamo-ppd reads version 2"):
+    old.write_text('{"version": 2, "config": "1P2D", "points": []}')
+    with pytest.raises(res.ResultsError, match="results version 2, this dynamo-ppd reads version 3"):
         res.load(old)
     table = (out / "results.md").read_text()
-    assert "| ppd | turns-4 | 1 |" in table and "x)" in table  # ratios to pd
+    assert "| ppd | turns-4 | 1 |" in table and "x |" in table and "live/sim" in table
     assert (out / "turns-4.png").stat().st_size > 10_000

@@ -8,6 +8,16 @@ error or an answer not complete within `CHAT_TIMEOUT_S` is a failure, and the co
 sends no further turn, as the paper's client; `dynamo_ppd.sim.outcome` has the definitions), and
 how late the client itself sent it against the schedule (``lag_s``): an overloaded client must not
 pass for a slow server.
+
+Time dilation (``dilation`` N > 1): the simulated workers run N times slower (their ``--speedup
+1/N``), so every process around them (frontend, router, this client) does the same work N times
+more slowly in model terms and its overheads weigh 1/N as much. The client then stretches the
+schedule (arrivals, think times, the timeout) by N and divides every time it measures by N:
+results are in model seconds, comparable with an undilated run and with the virtual clock.
+
+A ``horizon_s`` (model seconds from the start) cuts the run: no turn due after it is sent, and
+the requests still running then are cancelled and marked ``cut`` (left out of the figures, as
+the simulator's run cut at the same time leaves its in-flight turns out).
 """
 
 from __future__ import annotations
@@ -36,10 +46,15 @@ class RequestResult(msgspec.Struct, frozen=True):
     token_gaps_s: list[float]  # between consecutive streamed tokens
     ok: bool
     error: str | None = None
+    cut: bool = False  # still running when the run was cut at its horizon (not a failure)
 
     @property
     def tpot_s(self) -> float | None:
-        return sum(self.token_gaps_s) / len(self.token_gaps_s) if self.token_gaps_s else None
+        """First to last token over the tokens after the first (the usage's count: a chunk may
+        carry several tokens)."""
+        if not self.token_gaps_s or self.output_tokens < 2:
+            return None
+        return sum(self.token_gaps_s) / (self.output_tokens - 1)
 
 
 class TokenText:
@@ -70,9 +85,11 @@ class TokenText:
 
 
 async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,
-                      session: str, annotations: tuple[str, ...] = (),
+                      session: str, annotations: tuple[str, ...] = (), timeout_s: float = CHAT_TIMEOUT_S,
+                      usage: dict | None = None,
                       ) -> tuple[float | None, float | None, list[float], str, str | None]:
-    """(TTFT, e2e, token gaps, text, error) of one streamed chat completion."""
+    """(TTFT, e2e, gaps between content chunks, text, error) of one streamed chat completion,
+    in wall seconds; the stream's usage (token counts) goes into ``usage`` when given."""
     body: dict = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
                   "ignore_eos": True, "stream_options": {"include_usage": True}}
     if annotations:
@@ -81,7 +98,7 @@ async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages:
     stamps: list[float] = []
     text = ""
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=CHAT_TIMEOUT_S,
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s,
                                  headers={"x-dynamo-session-id": session}) as response:
             if response.status_code != 200:
                 return None, None, [], "", f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
@@ -91,6 +108,8 @@ async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages:
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     return None, None, [], text, str(chunk["error"])[:200]
+                if usage is not None and chunk.get("usage"):
+                    usage.update(chunk["usage"])
                 for choice in chunk.get("choices", []):
                     content = (choice.get("delta") or {}).get("content")
                     if content:
@@ -106,16 +125,30 @@ async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages:
 
 async def run_manifest(url: str, manifest: Manifest, model: str | None = None, seed: int = 0,
                        on_result: Callable[[RequestResult], None] | None = None,
-                       max_connections: int = 512) -> list[RequestResult]:
-    """Play the manifest against ``url`` (OpenAI base URL); return every request's result."""
+                       max_connections: int = 512, dilation: float = 1.0,
+                       horizon_s: float | None = None) -> list[RequestResult]:
+    """Play the manifest against ``url`` (OpenAI base URL); return every request's result. With
+    ``dilation`` N the schedule runs N times slower and the times recorded are divided by N (the
+    workers must run at ``--speedup 1/N``); ``horizon_s`` cuts the run (model seconds)."""
+    if not dilation > 0:
+        raise ValueError(f"dilation must be positive, not {dilation}")
     url = url.rstrip("/")
+    n = dilation
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    async with httpx.AsyncClient(limits=limits, timeout=CHAT_TIMEOUT_S) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=CHAT_TIMEOUT_S * n) as client:
         if model is None:
             model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         text = TokenText(seed)
         results: list[RequestResult] = []
         start = time.monotonic()
+
+        def now() -> float:  # model seconds since the start
+            return (time.monotonic() - start) / n
+
+        def record(result: RequestResult) -> None:
+            results.append(result)
+            if on_result:
+                on_result(result)
 
         async def conversation(conv: ManifestConversation) -> None:
             session = f"bench-{seed}-{conv.conversation_id}-{time.time_ns()}"
@@ -123,22 +156,36 @@ async def run_manifest(url: str, manifest: Manifest, model: str | None = None, s
             due = conv.arrival_s
             for index, turn in enumerate(conv.turns, start=1):
                 if index > 1:
-                    due = time.monotonic() - start + turn.think_time_s
-                await asyncio.sleep(max(0.0, start + due - time.monotonic()))
+                    due = now() + turn.think_time_s
+                if horizon_s is not None and due > horizon_s:
+                    return  # the run is cut before this turn is due
+                await asyncio.sleep(max(0.0, start + due * n - time.monotonic()))
                 content = turn.user_text if turn.user_text is not None else text(turn.user_tokens or 1)
                 messages.append({"role": "user", "content": content})
-                sent = time.monotonic() - start
-                ttft, e2e, gaps, reply, error = await chat_stream(client, url, model, messages,
-                                                                  turn.max_tokens, session)
+                sent = now()
+                usage: dict = {}
+                try:
+                    ttft, e2e, gaps, reply, error = await chat_stream(
+                        client, url, model, messages, turn.max_tokens, session, timeout_s=CHAT_TIMEOUT_S * n,
+                        usage=usage)
+                except asyncio.CancelledError:  # the horizon: in flight, neither success nor failure
+                    record(RequestResult(conv.conversation_id, index, due, sent, sent - due, None, None,
+                                         0, [], False, None, cut=True))
+                    raise
+                ttft, e2e = (None if ttft is None else ttft / n), (None if e2e is None else e2e / n)
                 ok = error is None and e2e is not None and e2e <= CHAT_TIMEOUT_S
-                result = RequestResult(conv.conversation_id, index, due, sent, sent - due, ttft, e2e,
-                                       len(gaps) + 1 if ttft is not None else 0, gaps, ok, error)
-                results.append(result)
-                if on_result:
-                    on_result(result)
+                tokens = 0 if ttft is None else max(len(gaps) + 1, int(usage.get("completion_tokens") or 0))
+                record(RequestResult(conv.conversation_id, index, due, sent, sent - due, ttft, e2e, tokens,
+                                     [g / n for g in gaps], ok, error))
                 if not ok:
                     return  # a failed turn ends its conversation (the paper's client does so too)
                 messages.append({"role": "assistant", "content": reply})
 
-        await asyncio.gather(*(conversation(c) for c in manifest.conversations))
+        tasks = [asyncio.create_task(conversation(c)) for c in manifest.conversations]
+        if tasks:
+            timeout = None if horizon_s is None else max(0.0, start + horizon_s * n - time.monotonic())
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     return results

@@ -12,6 +12,19 @@ system down before the next:
 - ``ppd``: our router with the table and online correction.
 
 `run` plays it against any running OpenAI endpoint (a GPU cluster).
+
+Each point runs on a freshly started system (no cache or session left from the previous point).
+``--dilation N`` (one N, or one per rate) runs the simulated workers and the router at
+``--speedup 1/N`` and the client N times slower (`dynamo_ppd.bench.client`): the Python processes
+around the workers then cost 1/N as much against model time, so a point measures the routing
+decisions rather than this machine's CPUs (the run-health table shows each process's cores and
+the client's lag). ``--cut-after S`` ends a point S model seconds after its last arrival.
+
+Sizing (`dynamo_ppd.bench.sizing`): a point is a number of conversations, not seconds: a pilot
+of ``--conversations`` is simulated on the virtual clock for every system and grown until the
+turn-2+ TTFT median's 95% interval is within +-10% (up to ``--max-conversations`` and
+``--point-budget`` wall seconds); the live point plays that many, and its note says when it
+could not. The same manifest's simulation is kept with the point: live against virtual.
 """
 
 from __future__ import annotations
@@ -23,13 +36,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..cli import comma_choices
+from ..cli import comma_choices, positive_floats
 from ..launch import ServeOptions, start
 from ..launch.graph import load_graph
 from ..launch.process import free_port
 from ..sim.cluster import parse_config
 from . import results as res
+from . import sizing
 from .client import RequestResult, run_manifest
+from .cpu import CpuMeter
 from .manifest import Manifest, load_manifest, scale_arrivals
 
 SYSTEMS = ("agg", "pd", "cond-disagg", "local", "ppd")
@@ -72,62 +87,152 @@ def manifests(workload: str | None, manifest_path: Path | None, rates: list[floa
     return name, [(rate, make_workload(name, rate, duration_s, seed)) for rate in rates]
 
 
+def per_rate(values: list[float] | None, rates: list[float], what: str = "--dilation") -> list[float]:
+    """One value per rate: a single value for all, or exactly one per rate."""
+    if not values:
+        return [1.0] * len(rates)
+    if len(values) == 1:
+        return values * len(rates)
+    if len(values) != len(rates):
+        raise ValueError(f"{what} has {len(values)} values for {len(rates)} rates: give one, or one per rate")
+    return values
+
+
+def speedup_args(graph: str, dilation: float) -> dict[str, list[str]]:
+    """``--speedup 1/N`` for every simulated worker and router component of the graph."""
+    if dilation == 1.0:
+        return {}
+    loaded, _ = load_graph(graph)
+    flag = ["--speedup", repr(1.0 / dilation)]
+    return {c.name: flag for c in loaded.components
+            if any(a in ("dynamo_ppd.engine", "dynamo_ppd.router") for a in c.command)}
+
+
 class _Progress:
+    """Requests done; on a terminal as they finish, else a line every `EVERY_S` seconds."""
+
+    EVERY_S = 30.0
+
     def __init__(self, label: str, total: int):
         self.label, self.total, self.done, self.failed = label, total, 0, 0
         self.tty = sys.stderr.isatty()
+        self.started = self.last = time.monotonic()
 
     def __call__(self, result: RequestResult) -> None:
         self.done += 1
-        self.failed += not result.ok
+        self.failed += not result.ok and not result.cut
         if self.tty:
             sys.stderr.write(f"\r  {self.label}: {self.done}/~{self.total} requests, {self.failed} failed")
+            sys.stderr.flush()
+        elif time.monotonic() - self.last >= self.EVERY_S:
+            self.last = time.monotonic()
+            sys.stderr.write(f"  {self.label}: {self.done}/~{self.total} requests, {self.failed} failed, "
+                             f"{self.last - self.started:.0f} s\n")
             sys.stderr.flush()
 
     def close(self) -> None:
         if self.tty:
             sys.stderr.write("\n")
-        sys.stderr.write(f"  {self.label}: {self.done} requests, {self.failed} failed\n")
+        sys.stderr.write(f"  {self.label}: {self.done} requests, {self.failed} failed, "
+                         f"{time.monotonic() - self.started:.0f} s\n")
         sys.stderr.flush()
 
 
-def play(url: str, system: str, workload: str, rate: float, manifest: Manifest, seed: int) -> res.Point:
-    progress = _Progress(f"{system} {workload} @ {rate:g} conv/s",
-                         sum(len(c.turns) for c in manifest.conversations))
+def play(url: str, system: str, workload: str, rate: float, manifest: Manifest, seed: int,
+         dilation: float = 1.0, horizon_s: float | None = None, meter: CpuMeter | None = None,
+         **extra) -> res.Point:
+    label = f"{system} {workload} @ {rate:g} conv/s" + (f" (dilation {dilation:g})" if dilation != 1 else "")
+    progress = _Progress(label, sum(len(c.turns) for c in manifest.conversations))
     started = time.monotonic()
-    results = asyncio.run(run_manifest(url, manifest, seed=seed, on_result=progress))
+    if meter is not None:
+        meter.start()
+    results = asyncio.run(run_manifest(url, manifest, seed=seed, on_result=progress, dilation=dilation,
+                                       horizon_s=horizon_s))
+    cores = meter.stop() if meter is not None else {}
     progress.close()
+    wall = time.monotonic() - started
     span = max((c.arrival_s for c in manifest.conversations), default=0.0)
-    return res.summarize(system, workload, rate, results, max(span, time.monotonic() - started))
+    return res.summarize(system, workload, rate, results, max(span, wall / dilation), dilation=dilation,
+                         conversations=len(manifest.conversations), horizon_s=horizon_s, wall_s=wall,
+                         cpu_cores=cores, **extra)
+
+
+def _base_manifests(workload: str | None, manifest_path: Path | None, rates: list[float],
+                    conversations: int, seed: int) -> tuple[str, list[Manifest]]:
+    """Per rate, a manifest of at least ``conversations`` conversations (all of a file's)."""
+    if manifest_path is not None:
+        base = load_manifest(manifest_path)
+        return manifest_path.stem, [scale_arrivals(base, rate) for rate in rates]
+    from .workloads import make_workload
+
+    name = workload or "wildchat"
+    out = []
+    for rate in rates:
+        duration = conversations / rate
+        manifest = make_workload(name, rate, duration, seed)
+        while len(manifest.conversations) < conversations:  # Poisson: a few short; draw longer
+            duration *= 1.1
+            manifest = make_workload(name, rate, duration, seed)
+        out.append(sizing.first(manifest, conversations))
+    return name, out
 
 
 def compare(systems: list[str], workload: str | None, manifest_path: Path | None, rates: list[float],
-            duration_s: float, config: str, out_dir: Path, seed: int = 0) -> res.BenchResults:
-    name, runs = manifests(workload, manifest_path, rates, duration_s, seed)
+            config: str, out_dir: Path, seed: int = 0, conversations: int = 200,
+            max_conversations: int = 2000, size: bool = True, dilation: list[float] | None = None,
+            cut_after_s: float | None = None, point_budget_s: float | None = None,
+            simulate: bool = True) -> res.BenchResults:
+    dilations = per_rate(dilation, rates)
+    if size and not simulate:
+        raise ValueError("sizing points needs the simulation (drop --no-simulate or pass --no-size)")
+    name, bases = _base_manifests(workload, manifest_path, rates,
+                                  max_conversations if size else conversations, seed)
+    plans = []
+    for rate, n_dil, base in zip(rates, dilations, bases, strict=True):
+        sys.stderr.write(f"{name} @ {rate:g} conv/s (dilation {n_dil:g}):\n")
+        if size:
+            sized = sizing.size_point(systems, config, base, conversations, n_dil, cut_after_s,
+                                      point_budget_s, seed, log=lambda m: sys.stderr.write(m + "\n"))
+        else:
+            manifest = sizing.first(base, conversations)
+            h = sizing.horizon(manifest, cut_after_s)
+            sims = ({s: sizing.simulate_manifest(s, config, manifest, h, seed) for s in systems}
+                    if simulate else {})
+            sized = sizing.Sized(manifest, h, sims, "")
+        plans.append((rate, n_dil, sized))
     points: list[res.Point] = []
+    results = res.BenchResults(version=res.RESULTS_VERSION, config=config.upper(), points=points)
     with tempfile.TemporaryDirectory(prefix="ppd-bench-") as tmp:
         for system in systems:
             graph = _graph(system, Path(tmp))
-            sys.stderr.write(f"bringing up {system} ({config}) ...\n")
-            dep = start(ServeOptions(graph=graph, http_port=free_port(), nats_port=free_port(),
-                                     etcd_port=free_port(), run_dir=Path(tmp) / f"run-{system}",
-                                     replicas=replicas(system, config)), log=lambda _m: None)
-            try:
-                for rate, manifest in runs:
-                    points.append(play(dep.base_url, system, name, rate, manifest, seed))
-            finally:
-                dep.stop()
-    results = res.BenchResults(version=res.RESULTS_VERSION, config=config.upper(), points=points)
+            for rate, n_dil, sized in plans:
+                sys.stderr.write(f"bringing up {system} ({config}, dilation {n_dil:g}) ...\n")
+                dep = start(ServeOptions(graph=graph, http_port=free_port(), nats_port=free_port(),
+                                         etcd_port=free_port(), run_dir=Path(tmp) / f"run-{system}-{rate:g}",
+                                         replicas=replicas(system, config),
+                                         extra_args=speedup_args(graph, n_dil)), log=lambda _m: None)
+                try:
+                    meter = CpuMeter({p.label: p.pid for p in dep.processes()})
+                    sim = sized.sims.get(system)
+                    points.append(play(dep.base_url, system, name, rate, sized.manifest, seed, n_dil,
+                                       sized.horizon_s, meter, note=sized.note,
+                                       sim_samples=sim.samples if sim else None,
+                                       sim_outcome=sim.outcome if sim else None))
+                finally:
+                    dep.stop()
+                write(results, out_dir, quiet=True)  # a partial report survives an interrupted run
     write(results, out_dir)
     return results
 
 
-def write(results: res.BenchResults, out_dir: Path) -> None:
+def write(results: res.BenchResults, out_dir: Path, quiet: bool = False) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     res.save(results, out_dir / "results.json")
     table = res.markdown(results)
     (out_dir / "results.md").write_text(f"# Benchmark ({results.config})\n\n{table}\n")
     res.plot(results, out_dir)
+    if quiet:
+        return
     print(table)
     print(f"\nwrote {out_dir / 'results.json'}, results.md and plots")
 
@@ -142,6 +247,26 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{compare,run}")
     for name, helptext in (("compare", "bring up each system on the simulated cluster and run the "
@@ -154,15 +279,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         source.add_argument("--manifest", type=Path, help="a manifest JSONL file; its arrivals are "
                             "scaled to each --qps")
         p.add_argument("--qps", type=_rates, default=[1.0], help="conversation arrival rates, e.g. 1,4,8")
-        p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate")
         p.add_argument("--seed", type=int, default=0, help="workload seed")
         p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
+        workers = ("the simulated workers and router run at --speedup 1/N" if name == "compare"
+                   else "start the endpoint's simulated workers with --speedup 1/N")
+        p.add_argument("--dilation", type=positive_floats("dilations"),
+                       help="time dilation N, one for every rate or one per rate (e.g. 4,8,16,32): "
+                       f"the client runs the schedule N times slower and divides what it measures by N; "
+                       f"{workers}; default 1 (none)")
+        p.add_argument("--cut-after", type=_seconds, metavar="SECONDS",
+                       help="end each point this many model seconds after its last arrival (requests "
+                       "running then are left out and counted as cut); default: run every "
+                       "conversation to its end")
         if name == "compare":
             p.add_argument("--systems", type=comma_choices("system", SYSTEMS),
                            default=["pd", "cond-disagg", "ppd"],
                            help=f"comma-separated, from {','.join(SYSTEMS)}")
             p.add_argument("--config", default="1P3D", help="P:D split of the simulated cluster")
+            p.add_argument("--conversations", type=_count, default=200,
+                           help="conversations per point: the sizing's pilot, or the size with --no-size")
+            p.add_argument("--max-conversations", type=_count, default=2000,
+                           help="the most conversations sizing may give a point")
+            p.add_argument("--point-budget", type=_seconds, metavar="SECONDS",
+                           help="the most wall seconds sizing may give a point (its model duration "
+                           "x the dilation; needs --cut-after); default: no limit")
+            p.add_argument("--size", action=argparse.BooleanOptionalAction, default=True,
+                           help="size each point (on the virtual clock) so the turn-2+ TTFT median's "
+                           "95%% interval is within +-10%%")
+            p.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True,
+                           help="simulate the same manifest on the virtual clock (live/sim columns)")
         else:
+            p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate")
             p.add_argument("--url", required=True, help="OpenAI base URL, e.g. http://host:8000")
             p.add_argument("--system", default="target", help="name of the system in the results")
 
@@ -174,11 +321,16 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.bench_command == "compare":
             parse_config(args.config)
-            compare(args.systems, args.workload, args.manifest, args.qps, args.duration, args.config,
-                    args.out, args.seed)
+            compare(args.systems, args.workload, args.manifest, args.qps, args.config, args.out, args.seed,
+                    conversations=args.conversations, max_conversations=args.max_conversations,
+                    size=args.size, dilation=args.dilation, cut_after_s=args.cut_after,
+                    point_budget_s=args.point_budget, simulate=args.simulate)
             return 0
         name, runs = manifests(args.workload, args.manifest, args.qps, args.duration, args.seed)
-        points = [play(args.url, args.system, name, rate, manifest, args.seed) for rate, manifest in runs]
+        dilations = per_rate(args.dilation, args.qps)
+        points = [play(args.url, args.system, name, rate, manifest, args.seed, n_dil,
+                       sizing.horizon(manifest, args.cut_after))
+                  for (rate, manifest), n_dil in zip(runs, dilations, strict=True)]
         write(res.BenchResults(version=res.RESULTS_VERSION, config="external", points=points), args.out)
         return 0
     except (ManifestError, UnknownWorkload, ValueError) as exc:

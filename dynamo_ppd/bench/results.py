@@ -5,6 +5,13 @@ simulator and the tables (`dynamo_ppd.sim.outcome`): success = finished within t
 without error, over every request sent; latencies per turn 1 / turns 2+ over successful
 requests (the paper's distinction: only follow-ups can be decode-local); TPOT = (e2e - TTFT) /
 (tokens - 1); throughput = output tokens of successful requests over the run's duration.
+
+A dilated point (`dynamo_ppd.bench.client`) is in model seconds and says its dilation; a point
+cut at a horizon leaves the requests running then out (``cut`` counts them). Each point keeps
+its successful requests' TTFT and TPOT per conversation (``samples``) so that every figure and
+every ratio in the table gets a 95% bootstrap interval over conversations (`dynamo_ppd.bench.stats`),
+and, when `bench compare` simulated the same manifest on the virtual clock, the simulation's
+samples too (``sim_samples``): live against virtual, per system.
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ import msgspec
 
 from ..sim.outcome import CHAT_TIMEOUT_S, Outcome, TurnResult
 from ..sim.outcome import summarize as summarize_outcome
+from . import stats as bs
 from .client import RequestResult
 
 # 2: a point carries the Outcome (`dynamo_ppd.sim.outcome`) instead of its own TTFT/TPOT stats.
-RESULTS_VERSION = 2
+# 3: dilation, horizon and cut requests, per-request samples (intervals), the simulation's
+#    samples of the same manifest, CPU shares; client lag in model milliseconds.
+RESULTS_VERSION = 3
 
 
 class ResultsError(ValueError):
@@ -45,13 +55,62 @@ def stats(values: list[float]) -> Stats:
     return Stats(q(0.5), q(0.9), q(0.99), statistics.fmean(values), len(values))
 
 
+class Sample(msgspec.Struct, frozen=True, array_like=True):
+    """One successful request's figures (model seconds)."""
+
+    conversation_id: str
+    turn: int
+    ttft_s: float
+    tpot_s: float | None
+
+
 class Point(msgspec.Struct, frozen=True):
     system: str
     workload: str
     qps: float  # conversation arrival rate asked for
     outcome: Outcome
     achieved_rps: float  # requests per second actually sent
-    client_lag_ms: Stats  # how late the client sent requests against the schedule
+    client_lag_ms: Stats  # how late the client sent requests against the schedule (model ms)
+    dilation: float = 1.0  # the workers ran this many times slower; times are model seconds
+    conversations: int = 0  # in the manifest played
+    horizon_s: float | None = None  # the run was cut here (model seconds), None: ran to the end
+    cut: int = 0  # requests running at the horizon, left out of the outcome
+    wall_s: float = 0.0
+    cpu_cores: dict[str, float] = {}  # process (group) -> cores used over the point
+    samples: list[Sample] = []
+    sim_samples: list[Sample] | None = None  # the virtual-clock simulation of the same manifest
+    sim_outcome: Outcome | None = None
+    note: str = ""  # why the point is not what was asked for (e.g. its interval is too wide)
+
+
+def samples_of(results: list[RequestResult]) -> list[Sample]:
+    return [Sample(r.conversation_id, r.turn, r.ttft_s, r.tpot_s) for r in results
+            if r.ok and r.ttft_s is not None]
+
+
+def by_conversation(samples: list[Sample], field: str) -> dict[str, list[float]]:
+    """``turn2_ttft`` (follow-ups' TTFT) or ``tpot`` (every turn's TPOT) per conversation."""
+    out: dict[str, list[float]] = {}
+    for s in samples:
+        value = s.ttft_s if field == "turn2_ttft" and s.turn > 1 else s.tpot_s if field == "tpot" else None
+        if value is not None:
+            out.setdefault(s.conversation_id, []).append(value)
+    return out
+
+
+def interval(point: Point, field: str, sim: bool = False) -> bs.Interval | None:
+    samples = point.sim_samples if sim else point.samples
+    return bs.bootstrap(by_conversation(samples or [], field))
+
+
+def ratio(a: Point, b: Point | None, field: str, b_sim: bool = False) -> bs.Interval | None:
+    """a's median over b's (or b's simulation's), paired over the conversations of the manifest."""
+    if b is None:
+        return None
+    other = b.sim_samples if b_sim else b.samples
+    if other is None:
+        return None
+    return bs.paired_ratio(by_conversation(a.samples, field), by_conversation(other, field))
 
 
 class BenchResults(msgspec.Struct):
@@ -70,14 +129,17 @@ def turn_result(result: RequestResult) -> TurnResult:
 
 
 def summarize(system: str, workload: str, qps: float, results: list[RequestResult],
-              duration_s: float, timeout_s: float = CHAT_TIMEOUT_S) -> Point:
-    """A point from every request the client sent; ``duration_s`` (the schedule's span or the
-    run's wall time) is only the floor of the span the request rate is taken over."""
-    outcome = summarize_outcome([turn_result(r) for r in results], timeout_s)
+              duration_s: float, timeout_s: float = CHAT_TIMEOUT_S, **extra) -> Point:
+    """A point from every request the client sent (those cut at a horizon left out of the
+    outcome); ``duration_s`` (the schedule's span) is only the floor of the span the request rate
+    is taken over. ``extra``: the other fields of `Point`."""
+    kept = [r for r in results if not r.cut]
+    outcome = summarize_outcome([turn_result(r) for r in kept], timeout_s)
     span = max(duration_s, outcome.duration_s)
     return Point(system=system, workload=workload, qps=qps, outcome=outcome,
                  achieved_rps=len(results) / span if span else 0.0,
-                 client_lag_ms=stats([r.lag_s * 1e3 for r in results]))
+                 client_lag_ms=stats([r.lag_s * 1e3 for r in results]), cut=len(results) - len(kept),
+                 samples=samples_of(kept), **extra)
 
 
 def save(results: BenchResults, path: Path) -> None:
@@ -97,8 +159,8 @@ def load(path: Path) -> BenchResults:
         raise ResultsError(f"{path}: not a benchmark results file ({exc})") from None
     if version != RESULTS_VERSION:
         raise ResultsError(f"{path}: results version {version}, this dynamo-ppd reads version "
-                           f"{RESULTS_VERSION} (points carry the one outcome summary since 2); rerun "
-                           "the benchmark to get it")
+                           f"{RESULTS_VERSION} (points carry per-request samples for intervals since 3); "
+                           "rerun the benchmark to get it")
     try:
         return msgspec.json.decode(data, type=BenchResults)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -110,34 +172,81 @@ def _ms(value: float | None) -> float:
     return value * 1e3 if value is not None else 0.0
 
 
-def markdown(results: BenchResults, baseline: str = "pd") -> str:
-    """One row per point; ratios to the baseline system at the same workload and QPS."""
-    base = {(p.workload, p.qps): p for p in results.points if p.system == baseline}
-    lines = [f"| system | workload | QPS | turn-1 TTFT p50 | turn-2+ TTFT p50 (vs {baseline}) | "
-             f"TPOT p50 (vs {baseline}) | P99 TTFT 2+ | throughput tok/s | success | req/s | "
-             "client lag p99 |",
+def _iv(value: bs.Interval | None, digits: int = 1, scale: float = 1e3, unit: str = " ms") -> str:
+    return value.text(digits, scale, unit) if value is not None else "-"
+
+
+def _x(value: bs.Interval | None) -> str:
+    return value.text(2, 1.0, "x") if value is not None else "-"
+
+
+def _cores(cores: dict[str, float]) -> str:
+    """Cores by kind of process: router(s), frontend, workers (summed), client."""
+    kinds: dict[str, float] = {}
+    for label, share in cores.items():
+        kind = label.split("-")[0] if label.split("-")[-1].isdigit() else label
+        kind = "workers" if kind in ("prefill", "decode", "worker") else kind
+        kinds[kind] = kinds.get(kind, 0.0) + share
+    order = ["router", "frontend", "workers", "client"]
+    names = [k for k in order if k in kinds] + sorted(k for k in kinds if k not in order)
+    return ", ".join(f"{k} {kinds[k]:.2f}" for k in names) or "-"
+
+
+def markdown(results: BenchResults, baseline: str = "pd",
+             contest: tuple[str, str] = ("ppd", "cond-disagg")) -> str:
+    """The results table (one row per point; medians with 95% bootstrap intervals over
+    conversations, ratios to the baseline system at the same workload and QPS paired over the
+    same conversations), the head-to-head of ``contest`` when both ran, and the run-health table
+    (dilation, interval width against the +-10% target, live against the virtual clock, client
+    lag, CPU per process)."""
+    points = sorted(results.points, key=lambda p: (p.workload, p.qps, p.system))
+    by = {(p.workload, p.qps, p.system): p for p in points}
+    lines = [f"| system | workload | QPS | turn-1 TTFT p50 | turn-2+ TTFT p50 [95% CI] | vs {baseline} | "
+             f"TPOT p50 [95% CI] | vs {baseline} | P99 TTFT 2+ | throughput tok/s | success |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-
-    def ratio(value: float, ref: float | None) -> str:
-        return f" ({value / ref:.2f}x)" if ref else ""
-
-    for p in sorted(results.points, key=lambda p: (p.workload, p.qps, p.system)):
-        b = base.get((p.workload, p.qps))
+    for p in points:
+        b = by.get((p.workload, p.qps, baseline))
         o = p.outcome
-        ttft2, tpot = _ms(o.turn2.p50_ttft_s), _ms(o.all_turns.p50_tpot_s)
-        ttft_ratio = ratio(ttft2, _ms(b.outcome.turn2.p50_ttft_s) if b else None)
-        tpot_ratio = ratio(tpot, _ms(b.outcome.all_turns.p50_tpot_s) if b else None)
         lines.append(
             f"| {p.system} | {p.workload} | {p.qps:g} | {_ms(o.turn1.p50_ttft_s):.1f} ms | "
-            f"{ttft2:.1f} ms{ttft_ratio} | {tpot:.2f} ms{tpot_ratio} | "
-            f"{_ms(o.turn2.p99_ttft_s):.1f} ms | {o.tokens_per_sec:.0f} | {o.success_rate:.0f}% | "
-            f"{p.achieved_rps:.2f} | {p.client_lag_ms.p99:.1f} ms |")
+            f"{_iv(interval(p, 'turn2_ttft'))} | {_x(ratio(p, b, 'turn2_ttft')) if b is not p else '1'} | "
+            f"{_iv(interval(p, 'tpot'), 2)} | {_x(ratio(p, b, 'tpot')) if b is not p else '1'} | "
+            f"{_ms(o.turn2.p99_ttft_s):.1f} ms | {o.tokens_per_sec:.0f} | {o.success_rate:.0f}% |")
+    a_name, b_name = contest
+    heads = [(p, by[(p.workload, p.qps, b_name)]) for p in points
+             if p.system == a_name and (p.workload, p.qps, b_name) in by]
+    if heads:
+        lines += ["", f"{a_name} against {b_name}, paired over the same conversations (below 1: {a_name} "
+                  "faster; the verdict needs the whole interval on one side of 1):", "",
+                  f"| workload | QPS | turn-2+ TTFT p50 {a_name}/{b_name} | TPOT p50 {a_name}/{b_name} | "
+                  f"{a_name} <= {b_name} (turn-2+ TTFT p50) |", "|---|---|---|---|---|"]
+        for a, b in heads:
+            r = ratio(a, b, "turn2_ttft")
+            verdict = ("-" if r is None else "yes" if r.high <= 1 else "no" if r.low > 1
+                       else f"{'yes' if r.value <= 1 else 'no'} (interval spans 1)")
+            lines.append(f"| {a.workload} | {a.qps:g} | {_x(r)} | {_x(ratio(a, b, 'tpot'))} | {verdict} |")
+    lines += ["", "Run health: dilation N (workers at --speedup 1/N, times divided by N); conversations "
+              "played, follow-ups answered and requests cut at the horizon; the turn-2+ TTFT interval's "
+              "half-width against the +-10% target; live over the virtual-clock simulation of the same "
+              "manifest; client lag p99 (model ms, and wall ms = model x N); cores each kind of process "
+              "used over the point.", "",
+              "| system | QPS | N | conv | follow-ups | cut | TTFT 2+ CI +- | live/sim TTFT 2+ p50 | "
+              "live/sim TPOT p50 | client lag p99 | cores | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        iv = interval(p, "turn2_ttft")
+        width = "-" if iv is None else f"{iv.half_width * 100:.1f}%{'' if iv.within() else ' (> 10%)'}"
+        lines.append(
+            f"| {p.system} | {p.qps:g} | {p.dilation:g} | {p.conversations} | {p.outcome.turn2.count} | "
+            f"{p.cut} | {width} | {_x(ratio(p, p, 'turn2_ttft', b_sim=True))} | "
+            f"{_x(ratio(p, p, 'tpot', b_sim=True))} | {p.client_lag_ms.p99:.2f} ms "
+            f"({p.client_lag_ms.p99 * p.dilation:.1f}) | {_cores(p.cpu_cores)} | {p.note} |")
     return "\n".join(lines)
 
 
 def plot(results: BenchResults, out_dir: Path) -> list[Path]:
-    """PNGs: P99 turn-2+ TTFT vs throughput (paper Fig. 1/9) and latency vs QPS per system
-    (Fig. 4/11), one figure per workload."""
+    """PNGs: P99 turn-2+ TTFT vs throughput (paper Fig. 1/9) and medians vs QPS per system with
+    their 95% intervals and the virtual clock's medians (Fig. 4/11), one figure per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,10 +261,18 @@ def plot(results: BenchResults, out_dir: Path) -> list[Path]:
             mine = sorted((p for p in points if p.system == system), key=lambda p: p.qps)
             axes[0].plot([p.outcome.tokens_per_sec for p in mine],
                          [_ms(p.outcome.turn2.p99_ttft_s) for p in mine], "o-", label=system)
-            axes[1].plot([p.qps for p in mine], [_ms(p.outcome.turn2.p50_ttft_s) for p in mine], "o-",
-                         label=system)
-            axes[2].plot([p.qps for p in mine], [_ms(p.outcome.all_turns.p50_tpot_s) for p in mine], "o-",
-                         label=system)
+            for ax, field in ((axes[1], "turn2_ttft"), (axes[2], "tpot")):
+                ivs = [(p.qps, iv) for p in mine if (iv := interval(p, field)) is not None]
+                if not ivs:
+                    continue
+                line = ax.errorbar([q for q, _ in ivs], [iv.value * 1e3 for _, iv in ivs],
+                                   yerr=[[(iv.value - iv.low) * 1e3 for _, iv in ivs],
+                                         [(iv.high - iv.value) * 1e3 for _, iv in ivs]],
+                                   fmt="o-", capsize=3, label=f"{system} (95% CI)")
+                sims = [(p.qps, iv) for p in mine if (iv := interval(p, field, sim=True)) is not None]
+                if sims:
+                    ax.plot([q for q, _ in sims], [iv.value * 1e3 for _, iv in sims], "x--",
+                            color=line[0].get_color(), alpha=0.7, label=f"{system} (virtual clock)")
         titles = [("throughput (output tok/s)", "turn-2+ TTFT p99 (ms)", "P99 TTFT vs throughput"),
                   ("conversations/s", "turn-2+ TTFT p50 (ms)", "TTFT vs load"),
                   ("conversations/s", "TPOT p50 (ms)", "TPOT vs load")]

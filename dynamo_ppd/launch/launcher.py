@@ -63,6 +63,8 @@ class ServeOptions:
     exit_when_ready: bool = False  # bring up, report, tear down (for scripts and smoke checks)
     replicas: dict[str, int] = field(default_factory=dict)  # component name -> replica count
     supervise: bool = False  # restart a process that exits instead of stopping the graph
+    # component name -> arguments appended to its command (`bench --dilation` passes --speedup)
+    extra_args: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -248,6 +250,18 @@ def _with_replicas(graph: Graph, replicas: dict[str, int]) -> Graph:
         msgspec.structs.replace(c, replicas=replicas.get(c.name, c.replicas)) for c in graph.components])
 
 
+def _with_extra_args(graph: Graph, extra: dict[str, list[str]]) -> Graph:
+    import msgspec
+
+    names = {c.name for c in graph.components}
+    unknown = sorted(set(extra) - names)
+    if unknown:
+        raise BadInput(f"extra arguments for {unknown[0]!r}, which is not a component of graph "
+                       f"{graph.name!r} ({', '.join(sorted(names))})")
+    return msgspec.structs.replace(graph, components=[
+        msgspec.structs.replace(c, command=[*c.command, *extra.get(c.name, [])]) for c in graph.components])
+
+
 def _component_processes(graph: Graph, graph_dir: Path, deployment: Deployment,
                          model_dir: Path) -> list[list[ManagedProcess]]:
     """One list of processes per component, placeholders filled in."""
@@ -291,7 +305,7 @@ def _inherited_env() -> dict[str, str]:
 def start(opts: ServeOptions, log=print) -> Deployment:
     """Bring the graph up and return it ready; on any failure, tear down what started and raise."""
     graph, graph_path = load_graph(opts.graph)
-    graph = _with_replicas(graph, opts.replicas)
+    graph = _with_extra_args(_with_replicas(graph, opts.replicas), opts.extra_args)
     _port_checks(opts)
     model_dir = Path(opts.model_dir or model_dir_mod.default_model_dir())
     if not model_dir_mod.is_complete(model_dir):

@@ -40,6 +40,7 @@ class RouterConfig:
     metrics_port: int
     metrics_host: str
     kv_silent_after_s: float = 30.0
+    speedup: float = 1.0  # model seconds per wall second (the workers' --speedup; <1: dilated)
 
 
 def _weights(text: str) -> tuple[float, float]:
@@ -125,12 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a decode worker may serve turns without one KV event before the "
                    "router warns (once) that its follow-ups can never run decode-local "
                    "(ppd_kv_silent_workers)")
+    p.add_argument("--speedup", type=float, default=1.0,
+                   help="the simulated workers' --speedup (model time runs this many times faster "
+                   "than wall time; `bench --dilation N` runs 1/N): the request rate the policy "
+                   "reads and the latencies it learns from are taken on the model's clock")
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser = build_parser()
     a = parser.parse_args(argv)
+    if not a.speedup > 0:
+        parser.error(f"--speedup must be positive, not {a.speedup}")
     if a.table not in ("auto", "none"):
         from ..policy.table import TableError, load_table
 
@@ -150,4 +157,4 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         session_prefix=a.session_prefix, max_sessions=a.max_sessions,
         min_resident_fraction=a.min_resident_fraction,
         etcd_url=a.etcd_url, nats_url=a.nats_url, metrics_port=a.metrics_port, metrics_host=a.metrics_host,
-        kv_silent_after_s=a.kv_silent_after)
+        kv_silent_after_s=a.kv_silent_after, speedup=a.speedup)

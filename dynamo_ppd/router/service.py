@@ -7,7 +7,8 @@ import os
 
 from .. import model as model_dir
 from ..engine.profile import load_profile
-from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
+from ..policy.decision import Decision, Mode, Policy, PolicyConfig, ProfilePredictor
+from ..policy.qps import SlidingWindowRate
 from ..policy.table import load_table
 from ..runtime import create_runtime
 from .args import RouterConfig, parse_args
@@ -18,14 +19,42 @@ from .router import PpdRouter
 log = logging.getLogger("dynamo_ppd.router")
 
 
+class ModelClockPolicy(Policy):
+    """A policy behind dilated workers (``--speedup`` < 1): the latencies the router measures on
+    the wall clock are put on the model's clock before the policy learns from them."""
+
+    speedup = 1.0
+
+    def observe(self, decision: Decision, ttft_s: float, tpot_s: float | None) -> None:
+        super().observe(decision, ttft_s * self.speedup, None if tpot_s is None else tpot_s * self.speedup)
+
+
+class ModelClockRate(SlidingWindowRate):
+    """The request rate on the model's clock (wall time x speedup): arrivals a dilated benchmark
+    sends at rate/N on the wall clock are the workload's rate, the table's QPS axis."""
+
+    def __init__(self, speedup: float, window_s: float = 10.0):
+        super().__init__(window_s)
+        self.speedup = speedup
+
+    def record(self, now: float) -> None:
+        super().record(now * self.speedup)
+
+    def rate(self, now: float) -> float:
+        return super().rate(now * self.speedup)
+
+
 def build_policy(config: RouterConfig) -> Policy:
     """The router's policy; with ``--table PATH`` its table (``auto`` picks one per decision)."""
     predictor = ProfilePredictor(load_profile(config.profile)) if config.mode is Mode.PPD else None
     table = load_table(config.table) if config.table not in ("auto", "none") else None
-    return Policy(PolicyConfig(mode=config.mode, local_fraction=config.local_fraction,
-                               w_ttft=config.w_ttft, w_tpot=config.w_tpot,
-                               min_resident_fraction=config.min_resident_fraction), predictor, table,
-                  online_correction=config.online_correction)
+    policy = (Policy if config.speedup == 1.0 else ModelClockPolicy)(
+        PolicyConfig(mode=config.mode, local_fraction=config.local_fraction, w_ttft=config.w_ttft,
+                     w_tpot=config.w_tpot, min_resident_fraction=config.min_resident_fraction),
+        predictor, table, online_correction=config.online_correction)
+    if isinstance(policy, ModelClockPolicy):
+        policy.speedup = config.speedup
+    return policy
 
 
 async def serve(config: RouterConfig) -> None:
@@ -36,6 +65,8 @@ async def serve(config: RouterConfig) -> None:
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.metrics_host)
     router = PpdRouter(runtime, config, build_policy(config), metrics)
+    if config.speedup != 1.0:
+        router.rate.local = ModelClockRate(config.speedup, router.rate.local.window_s)
     await router.start()
     path = config.model_path or model_dir.default_model_dir()
     if not model_dir.is_complete(path):
