@@ -131,3 +131,13 @@ def test_model_clock_rate_and_policy_read_dilated_wall_times_in_model_seconds():
         policy.observe(decision, 0.080, 0.024)
     assert dilated.calibration.ratios[Route.DECODE_LOCAL] == pytest.approx([1.0, 1.0])
     assert plain.calibration.ratios[Route.DECODE_LOCAL][0] > 1.2  # it would learn the dilation
+
+
+def test_versus_pairs_the_points_two_runs_share():
+    dilated = res.BenchResults(res.RESULTS_VERSION, "1P3D",
+                               [_point("ppd", 0.5, 0.0105), _point("pd", 0.5, 0.03)])
+    plain = res.BenchResults(res.RESULTS_VERSION, "1P3D", [_point("ppd", 0.5, 0.0100)])
+    table = res.versus(dilated, plain, "dilated", "undilated")
+    rows = [line for line in table.splitlines() if "wildchat" in line]
+    assert len(rows) == 1 and rows[0].startswith("| ppd |")  # pd ran in one of them only
+    assert "1.05 [1.05, 1.05]x" in rows[0]

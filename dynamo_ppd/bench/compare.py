@@ -268,7 +268,13 @@ def _seconds(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{compare,run}")
+    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{compare,run,versus}")
+    v = sub.add_parser("versus", help="two results files' shared points side by side (e.g. dilated "
+                       "against undilated), ratios paired over the same conversations",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    v.add_argument("a", type=Path, help="results.json of the first run")
+    v.add_argument("b", type=Path, help="results.json of the second run")
+    v.add_argument("--labels", default="a,b", help="names of the two runs in the table, A,B")
     for name, helptext in (("compare", "bring up each system on the simulated cluster and run the "
                             "same workload against it, side by side"),
                            ("run", "run a workload against a running OpenAI endpoint (--url)")):
@@ -319,6 +325,12 @@ def main(args: argparse.Namespace) -> int:
     from .workloads import UnknownWorkload
 
     try:
+        if args.bench_command == "versus":
+            labels = args.labels.split(",")
+            if len(labels) != 2:
+                raise ValueError(f"--labels {args.labels!r}: give two names, A,B")
+            print(res.versus(res.load(args.a), res.load(args.b), labels[0], labels[1]))
+            return 0
         if args.bench_command == "compare":
             parse_config(args.config)
             compare(args.systems, args.workload, args.manifest, args.qps, args.config, args.out, args.seed,
@@ -333,6 +345,6 @@ def main(args: argparse.Namespace) -> int:
                   for (rate, manifest), n_dil in zip(runs, dilations, strict=True)]
         write(res.BenchResults(version=res.RESULTS_VERSION, config="external", points=points), args.out)
         return 0
-    except (ManifestError, UnknownWorkload, ValueError) as exc:
+    except (ManifestError, UnknownWorkload, ValueError, OSError) as exc:
         print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
         return 2

@@ -244,6 +244,26 @@ def markdown(results: BenchResults, baseline: str = "pd",
     return "\n".join(lines)
 
 
+def versus(a: BenchResults, b: BenchResults, label_a: str, label_b: str) -> str:
+    """The points two runs share (system, workload, QPS: e.g. a dilated and an undilated run of
+    the same manifest), ``a`` over ``b``: turn-2+ TTFT and TPOT medians, paired over the same
+    conversation ids, with 95% intervals; and ``a``'s own live over virtual clock."""
+    theirs = {(p.system, p.workload, p.qps): p for p in b.points}
+    lines = [f"| system | workload | QPS | N {label_a} | N {label_b} | turn-2+ TTFT p50 {label_a} | "
+             f"{label_b} | {label_a}/{label_b} | TPOT p50 {label_a} | {label_b} | {label_a}/{label_b} |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in sorted(a.points, key=lambda p: (p.workload, p.qps, p.system)):
+        q = theirs.get((p.system, p.workload, p.qps))
+        if q is None:
+            continue
+        lines.append(
+            f"| {p.system} | {p.workload} | {p.qps:g} | {p.dilation:g} | {q.dilation:g} | "
+            f"{_iv(interval(p, 'turn2_ttft'))} | {_iv(interval(q, 'turn2_ttft'))} | "
+            f"{_x(ratio(p, q, 'turn2_ttft'))} | {_iv(interval(p, 'tpot'), 2)} | "
+            f"{_iv(interval(q, 'tpot'), 2)} | {_x(ratio(p, q, 'tpot'))} |")
+    return "\n".join(lines)
+
+
 def plot(results: BenchResults, out_dir: Path) -> list[Path]:
     """PNGs: P99 turn-2+ TTFT vs throughput (paper Fig. 1/9) and medians vs QPS per system with
     their 95% intervals and the virtual clock's medians (Fig. 4/11), one figure per workload."""
