@@ -129,6 +129,24 @@ class CostModel:
         return IterationCost(total, overhead_s, gemm_s, decode_attention_s, prefill_attention_s,
                              shared_prefix_attention_s)
 
+    def decode_run_s(self, num_decode: int, decode_context_tokens: int, count: int) -> list[float]:
+        """``iteration(num_decode, k).total_s`` for the ``count`` decode-only iterations from
+        ``decode_context_tokens`` on, each sequence one token longer in each (a simulator's run
+        of iterations): the same arithmetic in the same order, so the same floats, for a
+        fraction of the work (the batch's fixed part once, then one roofline per iteration)."""
+        if num_decode <= 0:
+            raise ValueError("a decode run needs at least one decoding sequence")
+        fixed = self.iteration(num_decode, 0)
+        base = fixed.overhead_s + fixed.gemm_s  # total = overhead + gemm + attention (+ 0.0s)
+        per_token_bytes, bandwidth = self.kv_bytes_per_token, self.bandwidth
+        per_pair, flops = self.attention_flops_per_pair, self.attention_flops
+        durations = []
+        context = decode_context_tokens
+        for _ in range(count):
+            durations.append(base + max(context * per_token_bytes / bandwidth, context * per_pair / flops))
+            context += num_decode
+        return durations
+
     def _attention_s(self, kv_tokens_read: float, pairs: float) -> float:
         """An attention kernel's roofline: reading ``kv_tokens_read`` tokens' KV from HBM against
         the FLOPs of ``pairs`` query-key pairs."""

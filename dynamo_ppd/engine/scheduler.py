@@ -83,6 +83,7 @@ class EngineRequest:
     kv: SequenceKv = field(default_factory=SequenceKv)
     rng: random.Random | None = None
     prompt_hashes: list[int] | None = None  # chained block ids of the prompt, computed once
+    drawn: list[int] = field(default_factory=list, repr=False)  # sampled ids not emitted yet
 
     @property
     def prompt_tokens(self) -> int:
@@ -115,10 +116,30 @@ class Iteration:
     cost: IterationCost
     started_at: float
     shared_prefix_tokens: int = 0  # cascade attention's common prefix (0: not used)
+    # A run of decode-only iterations planned at once (`Engine.step` with ``run=True``): each
+    # one's duration, in order (the first is ``cost``'s); empty for a single iteration.
+    repeated_s: tuple[float, ...] = ()
+
+    @property
+    def repeats(self) -> int:
+        return len(self.repeated_s) or 1
+
+    @property
+    def durations_s(self) -> tuple[float, ...]:
+        return self.repeated_s or (self.cost.total_s,)
+
+    @property
+    def ends_at(self) -> float:
+        """When the (last) iteration ends: the start plus each duration in turn, the sums a
+        driver stepping one iteration at a time makes, so both ways agree to the bit."""
+        end = self.started_at
+        for duration in self.durations_s:
+            end += duration
+        return end
 
     @property
     def duration_s(self) -> float:
-        return self.cost.total_s
+        return self.cost.total_s if not self.repeated_s else self.ends_at - self.started_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +165,16 @@ class EngineConfig:
     token_range: tuple[int, int] = (1000, 2000)  # ids generated: the model's round-trip range
     seed: int = 0
     capacity_blocks: int | None = None  # None: derived from the profile
+    # False: a `TokenOutput` only for a request's first and last token. A virtual-clock driver
+    # reads only those (the request keeps every token and its times); not building an object per
+    # token is most of what a long simulation saves. A streaming worker needs every token.
+    every_token: bool = True
+
+
+# Iterations planned as one run at most: a run a router interrupts wastes the rest of its plan,
+# a longer one saves little more (one event per 32 iterations).
+_RUN_MAX = 32
+_DRAW_BATCH = 64  # token ids sampled at once per request
 
 
 class Engine:
@@ -209,8 +240,15 @@ class Engine:
         return min(times) if times else None
 
     # -- the loop --------------------------------------------------------------------------------
-    def step(self, now: float) -> tuple[list[TokenOutput], Iteration | None]:
-        """Admit what fits, land arrived transfers, and plan the next iteration (None: idle)."""
+    def step(self, now: float, run: bool = False) -> tuple[list[TokenOutput], Iteration | None]:
+        """Admit what fits, land arrived transfers, and plan the next iteration (None: idle).
+
+        ``run`` (a virtual-clock driver, with ``every_token`` off): a decode-only batch with
+        nothing waiting is planned as a run of iterations, up to the first request's last token
+        (or `_RUN_MAX`), one `Iteration`. Until then nothing changes the batch unless the driver acts on
+        the engine, and a driver that acts on it or reads it first calls `interrupt`, which
+        applies what has run by then and cuts the run at the iteration in flight: the same
+        events as stepping one iteration at a time, for a fraction of the work."""
         self._admit(now)
         outputs = self._land_transfers(now)
         decode = [r for r in self._running if r.phase is Phase.DECODE]
@@ -231,23 +269,57 @@ class Engine:
         if not decode and not prefill:
             return outputs, None
         shared = self._cascade_prefix_tokens(decode, prefill) if self.cascade_attention else 0
+        kv_tokens = sum(r.kv.kv_tokens for r in decode)
         cost = self.cost_model.iteration(
-            len(decode), sum(r.kv.kv_tokens for r in decode),
+            len(decode), kv_tokens,
             [PrefillChunk(n, r.computed_tokens, n == r.prompt_remaining) for r, n in prefill], shared)
-        return outputs, Iteration(decode, prefill, cost, now, shared)
+        iteration = Iteration(decode, prefill, cost, now, shared)
+        if run and not prefill and not self._waiting and len(decode) == len(self._running):
+            iteration.repeated_s = self._decode_run(decode, kv_tokens, shared, cost.total_s)
+        return outputs, iteration
+
+    def _decode_run(self, decode: list[EngineRequest], kv_tokens: int, shared: int,
+                    first_s: float) -> tuple[float, ...]:
+        """Durations of the decode-only iterations up to the one in which the first of
+        ``decode`` emits its last token, at most `_RUN_MAX` (each iteration's batch is one token
+        longer per request); () when that is the first one."""
+        most = min(min(r.max_tokens - len(r.output) for r in decode), _RUN_MAX)
+        if most <= 1:
+            return ()
+        batch = len(decode)
+        if not shared:
+            return (first_s, *self.cost_model.decode_run_s(batch, kv_tokens + batch, most - 1))
+        durations = [first_s]
+        for _ in range(most - 1):
+            kv_tokens += batch
+            durations.append(self.cost_model.iteration(batch, kv_tokens, (), shared).total_s)
+        return tuple(durations)
+
+    def interrupt(self, iteration: Iteration, now: float) -> Iteration:
+        """A run of iterations (`step` with ``run``) as it stands at ``now``, when the driver is
+        about to act on this engine or read it: the iterations that ended before ``now`` are
+        applied, and the one in flight is returned, to end (`finish`) as planned. A single
+        iteration is returned unchanged."""
+        durations = iteration.repeated_s
+        if not durations:
+            return iteration
+        end, done = iteration.started_at, 0
+        while done < len(durations) - 1 and end + durations[done] < now:
+            end += durations[done]
+            done += 1
+        if done:
+            self._account(durations[:done], iteration.shared_prefix_tokens)
+            self._decode_tokens(iteration.decode, done, now)  # nothing finishes before the last
+        decode = [r for r in iteration.decode if r.phase is Phase.DECODE]
+        cost = self.cost_model.iteration(len(decode), sum(r.kv.kv_tokens for r in decode), (),
+                                         iteration.shared_prefix_tokens)
+        assert cost.total_s == durations[done], "an interrupted run must keep its planned times"
+        return Iteration(decode, [], cost, end, iteration.shared_prefix_tokens)
 
     def finish(self, iteration: Iteration, now: float) -> list[TokenOutput]:
         """Apply an iteration that ended at ``now``: tokens computed, sampled, requests done."""
-        self.iterations += 1
-        self.busy_s += iteration.duration_s
-        self.cascade_iterations += iteration.shared_prefix_tokens > 0
-        outputs: list[TokenOutput] = []
-        for request in iteration.decode:
-            if request.phase is not Phase.DECODE:  # cancelled meanwhile
-                continue
-            # The token sampled last iteration now has its KV; sample the next one.
-            self.cache.extend(request.kv, request.kv.kv_tokens + 1, request.all_tokens)
-            outputs.append(self._emit(request, now))
+        self._account(iteration.durations_s, iteration.shared_prefix_tokens)
+        outputs = self._decode_tokens(iteration.decode, iteration.repeats, now)
         for request, chunk in iteration.prefill:
             if request.phase is not Phase.PREFILL:
                 continue
@@ -257,6 +329,36 @@ class Engine:
             if request.prompt_remaining == 0:
                 request.phase = Phase.DECODE
                 outputs.append(self._emit(request, now))
+        return outputs
+
+    def _account(self, durations: tuple[float, ...], shared_prefix_tokens: int) -> None:
+        for duration in durations:
+            self.iterations += 1
+            self.busy_s += duration
+            self.cascade_iterations += shared_prefix_tokens > 0
+
+    def _decode_tokens(self, decode: list[EngineRequest], iterations: int, now: float) -> list[TokenOutput]:
+        """``iterations`` decode iterations of ``decode`` ended at ``now``: in each, the token
+        sampled in the one before gets its KV, and a token is sampled. This loop runs once per
+        generated token, so most of a simulation is spent here: kept flat."""
+        outputs: list[TokenOutput] = []
+        cache, block_size, every_token = self.cache, self.block_size, self.config.every_token
+        for request in decode:
+            if request.phase is not Phase.DECODE:  # cancelled meanwhile
+                continue
+            output = request.output
+            if iterations > 1:  # a run: all but its last iteration's tokens
+                output.extend(self._draw_many(request, iterations - 1))
+            kv = request.kv
+            kv_tokens = kv.kv_tokens + iterations
+            if kv_tokens // block_size == len(kv.hashes) and (kv_tokens % block_size == 0 or kv.has_partial):
+                kv.kv_tokens = kv_tokens  # inside a block that has its physical block already
+            else:
+                cache.commit(kv, request.all_tokens(), kv_tokens)
+            if every_token or len(output) + 1 >= request.max_tokens:
+                outputs.append(self._emit(request, now))
+            else:
+                output.append(self._draw(request))
         return outputs
 
     def drain_kv_events(self) -> list[KvEvent]:
@@ -368,10 +470,36 @@ class Engine:
                 outputs.append(self._emit(request, now, token=request.first_token))
         return outputs
 
+    def _draw(self, request: EngineRequest) -> int:
+        """The request's next sampled token id (drawn from its own generator, in batches)."""
+        if not request.drawn:
+            self._refill(request)
+        return request.drawn.pop()
+
+    def _draw_many(self, request: EngineRequest, count: int) -> list[int]:
+        """The request's next ``count`` sampled token ids, the same as ``count`` `_draw` calls."""
+        tokens: list[int] = []
+        while count > 0:
+            if not request.drawn:
+                self._refill(request)
+            drawn = request.drawn
+            take = min(count, len(drawn))
+            tokens.extend(reversed(drawn[-take:]))
+            del drawn[-take:]
+            count -= take
+        return tokens
+
+    def _refill(self, request: EngineRequest) -> None:
+        """Sample the next ids in one call (a draw per token cost ~1.5 us); kept reversed, so
+        the next one is popped from the end."""
+        assert request.rng is not None
+        low, high = self.config.token_range
+        request.drawn = request.rng.choices(range(low, high), k=min(_DRAW_BATCH, request.max_tokens))
+        request.drawn.reverse()
+
     def _emit(self, request: EngineRequest, now: float, token: int | None = None) -> TokenOutput:
         if token is None:
-            assert request.rng is not None
-            token = request.rng.randrange(*self.config.token_range)
+            token = self._draw(request)
         request.output.append(token)
         if request.first_token_at is None:
             request.first_token_at = now

@@ -75,14 +75,13 @@ def _hot_decode(cluster: Cluster, start_s: float, sequences: int = 64, context: 
                 output: int = 1500) -> None:
     """Long decodes land on the first decode worker at ``start_s`` (its TPOT goes from ~7 ms to
     ~15 ms; they fit its KV cache, so it stays up, just slow)."""
-    worker = cluster.workers[cluster.view.decode_workers[0]]
+    worker = cluster.view.decode_workers[0]
     rng = random.Random(7)
 
     def load() -> None:
         for i in range(sequences):
             prompt = [rng.randrange(2000, 8000) for _ in range(context)]
-            worker.engine.submit(EngineRequest(f"background-{i}", prompt, output), cluster.now)
-        cluster._wake(worker, cluster.now)
+            cluster.submit_background(worker, EngineRequest(f"background-{i}", prompt, output))
 
     cluster.call_at(start_s, load)
 

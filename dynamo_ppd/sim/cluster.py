@@ -12,6 +12,12 @@ The P -> D handoff is the live worker's: P runs the prompt as ``context_only``; 
 is emitted at t, the KV of all prompt tokens is queued on P's link with ``ready_at=t``, and D gets
 the prompt as ``generation_only`` with P's token and ``kv_ready_at`` = the link's finish time.
 
+Most iterations are a decode worker's, and most of those change nothing that anyone else sees.
+So a decode-only batch is planned as one run of iterations up to its first finished request
+(`Engine.step`'s ``run``), and whatever acts on a worker or reads it first interrupts its run
+(`Cluster.touch`: the iterations that ended by then are applied, the one in flight ends as
+planned). Outcomes are the same as stepping every iteration; the work is a fraction of it.
+
 No I/O here: the cluster reports each finished request to the callback it came with.
 """
 
@@ -73,7 +79,8 @@ class Worker:
     role: Role
     engine: Engine
     link: TransferLink | None = None  # prefill workers: their outgoing KV link
-    iteration: Iteration | None = None  # the iteration in flight, if busy
+    iteration: Iteration | None = None  # the iteration (or run of them) in flight, if busy
+    done_seq: int | None = None  # its DONE event (an interrupted run's later one is stale)
     wake_seq: int | None = None  # the pending STEP event that counts (later ones are stale)
     wake_at: float = float("inf")
     inflight: int = 0  # requests routed here and not done with it yet
@@ -117,9 +124,11 @@ class Cluster:
 
     def __init__(self, profile: EngineProfile, num_prefill: int, num_decode: int, num_agg: int = 0,
                  link_bandwidth_bytes_s: float | None = None, seed: int = 0,
-                 capacity_blocks: int | None = None, link: TransferConstants | None = None):
+                 capacity_blocks: int | None = None, link: TransferConstants | None = None,
+                 decode_runs: bool = True):
         """``link`` replaces the profile's KV link (a preset); ``link_bandwidth_bytes_s`` then
-        overrides its bandwidth alone (a bandwidth sweep)."""
+        overrides its bandwidth alone (a bandwidth sweep). ``decode_runs`` False: every
+        iteration is its own event (the reference that runs of iterations are tested against)."""
         if min(num_prefill, num_decode, num_agg) < 0 or num_prefill + num_decode + num_agg == 0:
             raise ValueError("a cluster needs at least one worker and no negative counts")
         self.profile = profile
@@ -137,10 +146,13 @@ class Cluster:
             for i in range(count):
                 worker_id = f"{_ID_PREFIX[role]}{i}"
                 # Distinct seeds: P and D must not sample the same tokens for the same request id.
-                config = EngineConfig(seed=seed * 1_000_003 + next(index), capacity_blocks=capacity_blocks)
+                config = EngineConfig(seed=seed * 1_000_003 + next(index), capacity_blocks=capacity_blocks,
+                                      every_token=False)
                 outgoing = TransferLink(bandwidth, setup_s) if role is Role.PREFILL else None
                 self.workers[worker_id] = Worker(worker_id, role, Engine(profile, config), outgoing)
         self.block_size = profile.engine.block_size
+        self.decode_runs = decode_runs
+        self.events_run = 0  # events processed (what a run of iterations saves shows here)
         self.now = 0.0
         self.sessions: dict[str, str] = {}  # conversation id -> worker that decoded its last turn
         self._requests: dict[str, ClusterRequest] = {}  # in flight, by request id
@@ -172,8 +184,10 @@ class Cluster:
                 break
             heapq.heappop(events)
             self.now = at
+            self.events_run += 1
             if kind is _Event.DONE:
-                self._finish_iteration(payload, at)
+                if payload.done_seq == seq:
+                    self._finish_iteration(payload, at)
             elif kind is _Event.STEP:
                 if payload.wake_seq == seq:  # otherwise superseded by an earlier wake
                     payload.wake_seq, payload.wake_at = None, float("inf")
@@ -224,6 +238,13 @@ class Cluster:
         self._requests[request.request_id] = request
         self.sessions[request.conversation_id] = decode.worker_id
 
+    def submit_background(self, worker_id: str, request: EngineRequest) -> None:
+        """Give ``request`` straight to a worker's engine now, outside any conversation
+        (background load in experiments): no callback, no route, not in ``inflight``."""
+        worker = self.view._get(worker_id)
+        worker.engine.submit(request, self.now)
+        self._wake(worker, self.now)
+
     def _worker(self, worker_id: str, role: Role, route: Route) -> Worker:
         worker = self.workers.get(worker_id) if isinstance(worker_id, str) else None
         if worker is None or worker.role is not role:
@@ -242,6 +263,7 @@ class Cluster:
             self._arrive(worker, request)
 
     def _arrive(self, worker: Worker, request: EngineRequest) -> None:
+        self.touch(worker)
         worker.engine.submit(request, self.now)
         self._wake(worker, self.now)
 
@@ -254,12 +276,20 @@ class Cluster:
         worker.wake_seq = self._push(at, _Event.STEP, worker)
         worker.wake_at = at
 
+    def touch(self, worker: Worker) -> None:
+        """Bring a worker's engine up to now before anything acts on it or reads it: a run of
+        decode iterations in flight is cut at the iteration in flight (`Engine.interrupt`)."""
+        iteration = worker.iteration
+        if iteration is not None and iteration.repeated_s:
+            worker.iteration = worker.engine.interrupt(iteration, self.now)
+            worker.done_seq = self._push(worker.iteration.ends_at, _Event.DONE, worker)
+
     def _step(self, worker: Worker, now: float) -> None:
-        outputs, iteration = worker.engine.step(now)
+        outputs, iteration = worker.engine.step(now, run=self.decode_runs)
         if iteration is not None:
             worker.iteration = iteration
             worker.wake_seq, worker.wake_at = None, float("inf")
-            self._push(now + iteration.duration_s, _Event.DONE, worker)
+            worker.done_seq = self._push(iteration.ends_at, _Event.DONE, worker)
         else:
             wakeup = worker.engine.next_wakeup()
             if wakeup is not None:
@@ -302,6 +332,7 @@ class Cluster:
         request.serving = EngineRequest(request.request_id, request.prompt, request.max_tokens,
                                         RequestKind.GENERATION_ONLY, first_token=out.token_ids[0],
                                         kv_ready_at=landed, prompt_hashes=request.prompt_hashes)
+        self.touch(decode)
         decode.engine.submit(request.serving, out.at)  # counted in decode.inflight since dispatch
         self._wake(decode, out.at)
 
@@ -328,9 +359,11 @@ class ClusterView:
         return self._cluster.now
 
     def _get(self, worker_id: str) -> Worker:
+        """The worker, brought up to now (`Cluster.touch`): a router reads what is there now."""
         worker = self._cluster.workers.get(worker_id)
         if worker is None:
             raise RoutingError(f"no worker {worker_id!r}; workers are: {', '.join(self._cluster.workers)}")
+        self._cluster.touch(worker)
         return worker
 
     def load(self, worker_id: str) -> LoadSnapshot:

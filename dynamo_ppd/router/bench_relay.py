@@ -1,0 +1,317 @@
+"""What the relay hop costs: `just bench-relay` (`python -m dynamo_ppd.router.bench_relay`).
+
+The same load through (a) the PPD router (`graphs/ppd.yaml`), (b) the bare pass-through relay
+(`graphs/relay.yaml`, `router/passthrough.py`: every request decode-local, each chunk yielded
+unchanged) and (c) Dynamo's frontend-native PD (`graphs/pd.yaml`), each on the same simulated
+workers, one system at a time. Per system it prints the CPU time of every process per relayed
+token (utime + stime from ``/proc/<pid>/stat`` over the run, all threads: robust to other work on
+the machine, unlike wall-clock figures), the token rate at which one relay process would saturate
+a core (1 / its CPU per token), and TTFT p50 at low load. With ``--router-replicas 1,2`` the PPD
+router runs as 1 and as 2 replicas behind the frontend; per replica: CPU per token and its share of
+the tokens (the router's ``ppd_relayed_tokens_total``).
+
+The load is the paper's decode-heavy synthetic ``syn-a-in32-out512`` (2-turn conversations: turn 1
+512 prompt tokens -> 128, turn 2 appends 32 -> 512; no think time), Poisson at ``--rate`` conv/s
+for ``--duration`` s. Tokens are counted from the client: every answer asks for exactly
+``max_tokens`` with ``ignore_eos``, so a completed request relayed that many (a failed one counts
+nothing and is reported). Intervals: each run is repeated ``--repeats`` times (fresh graph each
+time); per-token CPU is given as the mean with the min-max over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import msgspec
+
+from ..bench.client import run_manifest
+from ..bench.compare import ppd_graph_with_mode
+from ..bench.manifest import Manifest, ManifestConversation, ManifestHeader, ManifestTurn
+from ..launch import ServeOptions, start
+from ..launch.process import free_port
+
+WORKLOAD = "syn-a-in32-out512"
+FIRST_TURN = (512, 128)  # (user tokens, max tokens)
+FOLLOW_UP = (32, 512)
+SYSTEMS = ("ppd", "relay", "pd")
+RELAY_LABEL = {"ppd": "router", "relay": "router", "pd": None}  # the relay process(es), by label prefix
+
+
+def syn_a_manifest(rate: float, duration_s: float, seed: int = 0) -> Manifest:
+    """``syn-a-in32-out512`` at ``rate`` conv/s: Poisson arrivals, 2 turns, no think time."""
+    from ..bench.workloads import poisson_arrivals
+
+    turns = [ManifestTurn(FIRST_TURN[1], user_tokens=FIRST_TURN[0]),
+             ManifestTurn(FOLLOW_UP[1], user_tokens=FOLLOW_UP[0])]
+    header = ManifestHeader(workload=WORKLOAD, seed=seed, rate_conv_per_s=rate, duration_s=duration_s,
+                            description="turn 1 in=512 out=128, turn 2 in=32 out=512 (relay benchmark)")
+    return Manifest(header, [ManifestConversation(f"c{i:05d}", t, list(turns))
+                             for i, t in enumerate(poisson_arrivals(rate, duration_s, seed))])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (all its threads) so far, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_by_label(dep) -> dict[str, float]:
+    return {p.label: cpu_seconds(p.popen.pid) for p in dep.processes() if p.popen and p.exit_code() is None}
+
+
+def _relayed_tokens(dep) -> dict[str, float]:
+    """Each PPD router replica's ``ppd_relayed_tokens_total`` (empty for other systems)."""
+    out = {}
+    for label, url in dep.metrics_urls.items():
+        if label.startswith("router"):
+            for line in httpx.get(url, timeout=10).text.splitlines():
+                if line.startswith("ppd_relayed_tokens_total "):
+                    out[label] = float(line.split()[1])
+    return out
+
+
+@dataclass
+class Run:
+    """One system at one load: CPU seconds per process over the run, tokens relayed."""
+
+    system: str
+    replicas: int
+    rate: float
+    cpu_s: dict[str, float]
+    tokens: int
+    requests: int
+    failed: int
+    wall_s: float
+    per_replica_tokens: dict[str, float] = field(default_factory=dict)
+    lag_p99_ms: float = 0.0
+
+    def us_per_token(self, prefix: str) -> float:
+        """CPU us per relayed token of the processes whose label starts with ``prefix``."""
+        cpu = sum(v for k, v in self.cpu_s.items() if k == prefix or k.startswith(f"{prefix}-"))
+        return cpu / self.tokens * 1e6 if self.tokens else float("nan")
+
+    def relay_us_per_token(self) -> float | None:
+        label = RELAY_LABEL[self.system]
+        return None if label is None else self.us_per_token(label)
+
+
+def _graph(system: str, workdir: Path) -> str:
+    return ppd_graph_with_mode("ppd", workdir) if system == "ppd" else system
+
+
+def _up(system: str, replicas: int, workdir: Path, tag: str):
+    extra = {"router": replicas} if RELAY_LABEL[system] else {}
+    return start(ServeOptions(graph=_graph(system, workdir), http_port=free_port(), nats_port=free_port(),
+                              etcd_port=free_port(), run_dir=workdir / f"{system}-{tag}", replicas=extra),
+                 log=lambda _m: None)
+
+
+def _warm_up(dep) -> None:
+    """A few conversations first, so connection set-up and first-use costs stay out of the run."""
+    asyncio.run(run_manifest(dep.base_url, syn_a_manifest(4.0, 1.0, seed=99), seed=99))
+
+
+def measure_load(system: str, replicas: int, rate: float, duration_s: float, workdir: Path, tag: str,
+                 seed: int = 0) -> Run:
+    manifest = syn_a_manifest(rate, duration_s, seed)
+    dep = _up(system, replicas, workdir, tag)
+    try:
+        _warm_up(dep)
+        tokens_before = _relayed_tokens(dep)
+        before = _cpu_by_label(dep)
+        started = time.monotonic()
+        results = asyncio.run(run_manifest(dep.base_url, manifest, seed=seed))
+        wall = time.monotonic() - started
+        after = _cpu_by_label(dep)
+        tokens_after = _relayed_tokens(dep)
+    finally:
+        dep.stop()
+    by_key = {(c.conversation_id, i + 1): t.max_tokens for c in manifest.conversations
+              for i, t in enumerate(c.turns)}
+    ok = [r for r in results if r.ok]
+    lags = sorted(r.lag_s for r in results)
+    return Run(system, replicas, rate, {k: after[k] - before[k] for k in after if k in before},
+               sum(by_key[(r.conversation_id, r.turn)] for r in ok), len(results), len(results) - len(ok),
+               wall, {k: tokens_after[k] - tokens_before.get(k, 0.0) for k in tokens_after},
+               lags[int(0.99 * (len(lags) - 1))] * 1e3 if lags else 0.0)
+
+
+def _ttft_ms(client: httpx.Client, base_url: str, model: str, messages: list[dict], max_tokens: int,
+             session: str) -> tuple[float, str]:
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "messages": messages}
+    sent = time.perf_counter()
+    first, text = None, ""
+    with client.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60,
+                       headers={"x-dynamo-session-id": session}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices", []):
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        first = first or (time.perf_counter() - sent) * 1e3
+                        text += content
+    if first is None:
+        raise RuntimeError("no token came back")
+    return first, text
+
+
+def measure_ttft(system: str, conversations: int, workdir: Path, tag: str) -> tuple[list[float], list[float]]:
+    """TTFT (ms) of turn 1 and turn 2 at low load: 2-turn conversations one after the other, with
+    gaps, fresh prompts (turn 1: 512 words, turn 2: 32 more), 4 output tokens."""
+    dep = _up(system, 1, workdir, tag)
+    rng = random.Random(0)
+    words = [f"w{n}" for n in range(2000)]
+    first_ms, follow_ms = [], []
+    try:
+        with httpx.Client() as client:
+            for c in range(conversations + 3):  # the first 3 warm up
+                messages = [{"role": "user", "content": " ".join(rng.choices(words, k=FIRST_TURN[0]))}]
+                t1, reply = _ttft_ms(client, dep.base_url, dep.model_name, messages, 4, f"ttft-{tag}-{c}")
+                time.sleep(0.05)
+                messages += [{"role": "assistant", "content": reply},
+                             {"role": "user", "content": " ".join(rng.choices(words, k=FOLLOW_UP[0]))}]
+                t2, _ = _ttft_ms(client, dep.base_url, dep.model_name, messages, 4, f"ttft-{tag}-{c}")
+                time.sleep(0.05)
+                if c >= 3:
+                    first_ms.append(t1)
+                    follow_ms.append(t2)
+    finally:
+        dep.stop()
+    return first_ms, follow_ms
+
+
+class Report(msgspec.Struct):
+    """What `--json` writes: every run, and the low-load TTFT samples per system."""
+
+    workload: str
+    runs: list[dict]
+    ttft_ms: dict[str, dict[str, list[float]]]
+    uptime: str
+
+
+def _spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.0f}"
+    return f"{statistics.mean(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
+
+
+def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) -> str:
+    """Markdown: CPU per relayed token per process, saturation rate, replicas, low-load TTFT."""
+    out = [f"Load: `{WORKLOAD}` (turn 1 512 -> 128 tokens, turn 2 +32 -> 512), Poisson arrivals. "
+           "CPU us per relayed token, mean [min-max] over repeats; tokens counted from the client.", ""]
+    groups: dict[tuple[str, int, float], list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run.system, run.replicas, run.rate), []).append(run)
+    out += ["| system | routers | conv/s | tokens/run | failed | relay us/token | relay saturates a core at "
+            "| frontend us/token | decode worker us/token | client lag p99 ms |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for (system, replicas, rate), group in groups.items():
+        relay = [r.relay_us_per_token() for r in group]
+        relay_text = "-" if relay[0] is None else _spread([v for v in relay if v is not None])
+        per_replica = [v / replicas for v in relay if v is not None]
+        sat = f"{1e6 / statistics.mean(per_replica):,.0f} tok/s per process" if per_replica else "-"
+        out.append(f"| {system} | {replicas if RELAY_LABEL[system] else '-'} | {rate:g} | "
+                   f"{statistics.mean(r.tokens for r in group):,.0f} | {sum(r.failed for r in group)} | "
+                   f"{relay_text} | {sat} | {_spread([r.us_per_token('frontend') for r in group])} | "
+                   f"{_spread([r.us_per_token('decode') for r in group])} | "
+                   f"{max(r.lag_p99_ms for r in group):.0f} |")
+    multi = [r for r in runs if r.replicas > 1 and r.per_replica_tokens]
+    if multi:
+        out += ["", "Per router replica (each replica's CPU over the tokens it relayed):", "",
+                "| run | replica | tokens | share | CPU us/token |", "|---|---|---|---|---|"]
+        for n, run in enumerate(multi):
+            total = sum(run.per_replica_tokens.values())
+            for label, tokens in sorted(run.per_replica_tokens.items()):
+                out.append(f"| {run.system} x{run.replicas} @ {run.rate:g} #{n + 1} | {label} | {tokens:,.0f} | "
+                           f"{tokens / total:.1%} | {run.cpu_s[label] / tokens * 1e6:.0f} |")
+    if ttft:
+        out += ["", "TTFT at low load (ms, p50 [p10-p90]; one 2-turn conversation at a time, 4 output "
+                "tokens):", "", "| system | n | turn 1 | turn 2 |", "|---|---|---|---|"]
+        for system, (first, follow) in ttft.items():
+            def q(xs: list[float]) -> str:
+                d = statistics.quantiles(xs, n=10)
+                return f"{statistics.median(xs):.2f} [{d[0]:.2f}-{d[8]:.2f}]"
+            out.append(f"| {system} | {len(first)} | {q(first)} | {q(follow)} |")
+    return "\n".join(out)
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("values must be positive")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.router.bench_relay", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default="ppd,relay,pd",
+                        help=f"comma-separated, from {','.join(SYSTEMS)}")
+    parser.add_argument("--rate", type=_floats, default=[2.0], help="conversation arrival rates (conv/s)")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per system and rate (fresh graph each)")
+    parser.add_argument("--router-replicas", type=_floats, default=[1.0],
+                        help="router replica counts to run ppd and relay with, e.g. 1,2")
+    parser.add_argument("--ttft-conversations", type=int, default=40,
+                        help="low-load TTFT samples per system (0: skip)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the tables to this file")
+    args = parser.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        parser.error(f"--systems: unknown {unknown[0] if unknown else '(none)'}; choose from {','.join(SYSTEMS)}")
+    if args.repeats < 1 or args.duration <= 0:
+        parser.error("--repeats must be >= 1 and --duration > 0")
+    runs: list[Run] = []
+    ttft: dict[str, tuple[list[float], list[float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="ppd-relay-") as tmp:
+        work = Path(tmp)
+        for rate in args.rate:
+            for system in systems:
+                counts = [int(n) for n in args.router_replicas] if RELAY_LABEL[system] else [1]
+                for replicas in counts:
+                    for repeat in range(args.repeats):
+                        tag = f"{replicas}-{rate:g}-{repeat}"
+                        sys.stderr.write(f"{system} x{replicas} @ {rate:g} conv/s, run {repeat + 1} ...\n")
+                        run = measure_load(system, replicas, rate, args.duration, work, tag)
+                        sys.stderr.write(f"  {run.tokens:,} tokens, {run.failed} failed; relay "
+                                         f"{run.relay_us_per_token() or 0:.0f} us/token\n")
+                        runs.append(run)
+        if args.ttft_conversations:
+            for system in systems:
+                sys.stderr.write(f"{system}: TTFT at low load ...\n")
+                ttft[system] = measure_ttft(system, args.ttft_conversations, work, "ttft")
+    table = render(runs, ttft)
+    print(table)
+    load = os.getloadavg()
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(f"# Relay benchmark\n\n`python -m dynamo_ppd.router.bench_relay "
+                                 f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n{table}\n")
+    if args.json:
+        report = Report(WORKLOAD, [r.__dict__ for r in runs],
+                        {s: {"turn1": a, "turn2": b} for s, (a, b) in ttft.items()},
+                        f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
