@@ -79,3 +79,24 @@ def test_reuse_keeps_earlier_points_and_runs_only_what_is_missing(tmp_path):
     assert sorted(p["policy"] for p in points) == ["x0", "x1"]
     earlier = json.loads((tmp_path / "a.json").read_text())["points"][0]
     assert next(p for p in points if p["policy"] == "x0") == earlier
+
+
+def test_specs_that_simulate_the_same_cluster_share_one_run(tmp_path, capsys):
+    def key(config: str, link: str, policy: str):
+        spec = policies.CompareSpec("h100-llama3.1-8b", config, link, "small_tiny", 1.0, policy)
+        return policies.simulation_key(spec)
+    # replicas are 4R whatever the configuration, and with no prefill worker no link is used
+    assert key("1P3D", "intra-node", "replicas") == key("3P1D", "cross-node", "replicas")
+    assert key("2P2D", "intra-node", "hybrid") == key("3P1D", "intra-node", "hybrid")  # both 1R_2P_1D
+    assert key("2P2D", "intra-node", "hybrid") != key("2P2D", "cross-node", "hybrid")
+    assert key("1P3D", "intra-node", "x1") != key("2P2D", "intra-node", "x1")
+    assert key("1P3D", "intra-node", "x1") != key("1P3D", "cross-node", "x1")
+    out = tmp_path / "shared"
+    assert cli_main(["sim", "compare", "--configs", "1P3D,3P1D", "--links", "intra-node,cross-node",
+                     "--workloads", "small_tiny", "--rates", "1", "--weights", "1", "--policies",
+                     "replicas", "--jobs", "1", "--out", str(out)]) == 0
+    assert "1/1" in capsys.readouterr().err  # one simulation for the four points
+    points = json.loads((tmp_path / "shared.json").read_text())["points"]
+    assert sorted((p["config"], p["link"]) for p in points) == [
+        ("1P3D", "cross-node"), ("1P3D", "intra-node"), ("3P1D", "cross-node"), ("3P1D", "intra-node")]
+    assert len({(p["turn2_ttft_s"], p["turn2_tpot_s"]) for p in points}) == 1

@@ -155,6 +155,17 @@ def router_for(profile: EngineProfile, config: str, policy: str, seed: int) -> t
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(policy_names())}")
 
 
+def simulation_key(spec: CompareSpec) -> tuple:
+    """What decides a spec's simulation: specs with one key run the same cluster, router and
+    conversations, so one run serves them all (``replicas`` is 4R under every configuration,
+    and without a prefill worker no KV crosses a link)."""
+    profile = load_profile(spec.profile)
+    cluster_config, _ = router_for(profile, spec.config, spec.policy, spec.seed)
+    has_prefill = parse_config(cluster_config)[0] > 0
+    return (spec.profile, cluster_config, spec.link if has_prefill else None, spec.workload, spec.rate,
+            spec.config if spec.policy.startswith("ppd@") else None, spec.policy, spec.seed)
+
+
 def run_spec(spec: CompareSpec) -> PolicyPoint:
     profile = load_profile(spec.profile)
     cluster_config, router = router_for(profile, spec.config, spec.policy, spec.seed)
@@ -399,11 +410,16 @@ def main(args: argparse.Namespace) -> int:
         have = {(p.config, p.link, p.workload, p.rate, p.policy) for p in points}
         specs = [s for s in specs if (s.config, s.link, s.workload, s.rate, s.policy) not in have]
         reused = len(points)
-    progress = Progress(max(1, len(specs)), "sim compare")
+    # One simulation per distinct key; its figures stand for every spec that shares it.
+    sharing: dict[tuple, list[CompareSpec]] = {}
+    for spec in specs:
+        sharing.setdefault(simulation_key(spec), []).append(spec)
+    progress = Progress(max(1, len(sharing)), "sim compare")
     started = time.monotonic()
     with ProcessPoolExecutor(args.jobs) as pool:
-        for point in pool.map(run_spec, specs, chunksize=4):
-            points.append(point)
+        for group, point in zip(sharing.values(), pool.map(run_spec, [g[0] for g in sharing.values()],
+                                                           chunksize=4), strict=True):
+            points.extend(msgspec.structs.replace(point, config=s.config, link=s.link) for s in group)
             progress.step()
     wall = time.monotonic() - started
     report = compare(points, args.links, args.weights, args.profile, [args.seed])
