@@ -44,13 +44,30 @@ class SimPoint(msgspec.Struct, frozen=True):
     cut: int
 
 
+def sim_router(profile, config: str, system: str, seed: int = 0):
+    """(the simulator's worker counts, the router) of ``system``'s twin. ppd as the live router's
+    ``--table auto``: the table shipped for the configuration, or cold-start predictions when
+    none is shipped (e.g. 1P2D)."""
+    from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
+    from ..policy.simulate import PolicyRouter
+    from ..policy.table import Weights, bundled_table, load_table, reweight
+    from .policies import router_for
+
+    if system == "ppd" and not bundled_table(config).is_file():
+        return config, PolicyRouter(Policy(PolicyConfig(Mode.PPD, w_ttft=1.0, w_tpot=1.0),
+                                           ProfilePredictor(profile)))
+    if system == "ppd":
+        table = reweight(load_table(bundled_table(config)), Weights(1.0, 1.0))
+        return config, PolicyRouter(Policy(PolicyConfig(Mode.PPD, w_ttft=1.0, w_tpot=1.0),
+                                           ProfilePredictor(profile), table))
+    return router_for(profile, config, SIM_POLICY[system], seed)
+
+
 def simulate_manifest(system: str, config: str, manifest: Manifest, horizon_s: float | None,
                       seed: int = 0, profile: str = DEFAULT_PROFILE) -> SimPoint:
     """The manifest through ``system``'s simulated twin on ``config``, cut at ``horizon_s``."""
-    from .policies import router_for
-
     prof = load_profile(profile)
-    cluster_config, router = router_for(prof, config, SIM_POLICY[system], seed)
+    cluster_config, router = sim_router(prof, config, system, seed)
     cluster = Cluster.from_config(prof, cluster_config, seed=seed)
     until = horizon_s if horizon_s is not None else NO_HORIZON_S
     result = simulate(cluster, to_sim(manifest), router, until_s=until, timeout_s=CHAT_TIMEOUT_S,
