@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
+
 from ..cli import comma_choices, positive_floats
 from ..launch import ServeOptions, start
 from ..launch.graph import load_graph
@@ -213,7 +215,9 @@ def compare(systems: list[str], workload: str | None, manifest_path: Path | None
                                          extra_args=speedup_args(graph, n_dil)), log=lambda _m: None)
                 try:
                     meter = CpuMeter({p.label: p.pid for p in dep.processes()})
-                    sim = sized.sims.get(system)
+                    # Simulated again now: the twin reads the same table file the router just loaded.
+                    sim = (sizing.simulate_manifest(system, config, sized.manifest, sized.horizon_s, seed)
+                           if simulate else None)
                     points.append(play(dep.base_url, system, name, rate, sized.manifest, seed, n_dil,
                                        sized.horizon_s, meter, note=sized.note,
                                        sim_samples=sim.samples if sim else None,
@@ -223,6 +227,25 @@ def compare(systems: list[str], workload: str | None, manifest_path: Path | None
                 write(results, out_dir, quiet=True)  # a partial report survives an interrupted run
     write(results, out_dir)
     return results
+
+
+def resimulate(results: res.BenchResults, systems: list[str], workload: str, seed: int = 0,
+               max_conversations: int = 2000) -> res.BenchResults:
+    """The points of ``systems`` with their virtual-clock twin simulated again on the same
+    manifest (a generated workload: its first ``conversations`` conversations, as sized), e.g.
+    after the table the live router loaded has changed since the run's sizing."""
+    points = []
+    for p in results.points:
+        if p.system in systems and p.workload == workload:
+            _, (base,) = _base_manifests(workload, None, [p.qps], max_conversations, seed)
+            manifest = sizing.first(base, p.conversations)
+            played = {s.conversation_id for s in p.samples}
+            if not played <= {c.conversation_id for c in manifest.conversations}:
+                raise ValueError(f"{p.system} @ {p.qps:g}: the regenerated manifest is not the one played")
+            sim = sizing.simulate_manifest(p.system, results.config, manifest, p.horizon_s, seed)
+            p = msgspec.structs.replace(p, sim_samples=sim.samples, sim_outcome=sim.outcome)
+        points.append(p)
+    return res.BenchResults(results.version, results.config, points)
 
 
 def write(results: res.BenchResults, out_dir: Path, quiet: bool = False) -> None:
