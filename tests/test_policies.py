@@ -40,6 +40,14 @@ def test_a_policy_is_scored_against_the_best_other_and_other_weights_of_ppd_are_
     summary = {s.policy: s for s in summarize_standings([group, group], w_tpot=1)}
     assert (summary["ppd@1"].wins, summary["ppd@1"].points) == (2, 2)
     assert summary["x0"].losses == 2 and summary["x0"].beaten_most_by == "ppd@1"
+    # Replicas (another deployment of the GPUs) beat it; on the P/D workers alone it still wins.
+    with_replicas = [*group, point("replicas", 0.03, 0.009)]
+    assert {s.policy: s for s in summarize_standings([with_replicas], 1)}["ppd@1"].losses == 1
+    same = {s.policy: s for s in summarize_standings([with_replicas], 1, policies.OTHER_DEPLOYMENTS)}
+    assert same["ppd@1"].wins == 1 and "replicas" not in same
+    versus = {h.policy: h for h in policies.head_to_head([with_replicas], 1)}
+    assert versus["replicas"].above_tie == 0 and versus["x0"].above_tie == 1 and "ppd@6" not in versus
+    assert versus["x1"].median_score == pytest.approx(0.05 / 1.05, rel=1e-3)
 
 
 def test_configurations_for_replicas_and_hybrids_use_the_same_gpus():
@@ -59,7 +67,9 @@ def test_sim_compare_writes_its_report(tmp_path):
     x1 = next(p for p in report["points"] if p["policy"] == "x1")
     assert x1["local_share"] == 1.0 and x1["success_rate"] == 100.0
     assert (tmp_path / "pol-1p3d-cross-node.png").stat().st_size > 10_000
-    assert "| x0 |" in (tmp_path / "pol.md").read_text()
+    text = (tmp_path / "pol.md").read_text()
+    assert "| x0 |" in text and "## PPD at a glance" in text and "against each policy alone" in text
+    assert "1P_3pD 34 wins, 5 ties, 141 losses" in text  # the measured 4R against P/D, from the data
 
 
 def test_unknown_policies_exit_2(capsys, tmp_path):

@@ -67,6 +67,10 @@ SUCCESS_BAR = 95.0
 TIE = 0.02
 CHAT_WINDOW_S = 10.0  # seconds of conversation arrivals per chat point, as the paper's window
 BASE_POLICIES = ("x0", "x1", "x0.5", "replicas", "hybrid")
+# Policies that run the configuration's GPUs as another deployment (aggregated workers), not as
+# its P and D workers: the report also ranks PPD without them, among the policies a router of
+# that P/D deployment could choose from.
+OTHER_DEPLOYMENTS = ("replicas", "hybrid")
 
 
 def _peers() -> list[str]:
@@ -200,10 +204,11 @@ class Standing(msgspec.Struct, frozen=True):
     best_other: str
 
 
-def standings(points: Sequence[PolicyPoint], w_tpot: float) -> list[Standing]:
+def standings(points: Sequence[PolicyPoint], w_tpot: float, leave_out: Sequence[str] = ()) -> list[Standing]:
     """Each policy's score against the best other policy at one point (ppd@w for other weights
-    left out: a weight is one operator's choice, not a competitor)."""
-    chosen = [p for p in points if not p.policy.startswith("ppd@") or p.policy == f"ppd@{w_tpot:g}"]
+    left out: a weight is one operator's choice, not a competitor; so are ``leave_out``)."""
+    chosen = [p for p in points if (not p.policy.startswith("ppd@") or p.policy == f"ppd@{w_tpot:g}")
+              and p.policy not in leave_out]
     out = []
     for a in chosen:
         others = [(score(a, b, w_tpot), b.policy) for b in chosen if b is not a]
@@ -228,17 +233,31 @@ class PolicySummary(msgspec.Struct, frozen=True):
     beaten_most_by: str | None
 
 
+class HeadToHead(msgspec.Struct, frozen=True):
+    """PPD at one weight against one other policy over the points both ran."""
+
+    policy: str
+    points: int
+    at_least_minus_tie: float  # share of points where PPD's score against it is >= -0.02
+    above_tie: float  # ... > +0.02
+    median_score: float
+
+
 class CompareReport(msgspec.Struct, frozen=True):
     profile: str
     seeds: list[int]
     points: list[PolicyPoint]
     summaries: dict[str, list[PolicySummary]]  # by "<link> w_tpot <w>"
+    # The same, without the other deployments (`OTHER_DEPLOYMENTS`): on the P/D workers alone.
+    same_deployment: dict[str, list[PolicySummary]] = {}
+    head_to_head: dict[str, list[HeadToHead]] = {}  # ppd@w against each policy, by the same key
 
 
-def summarize_standings(groups: Iterable[Sequence[PolicyPoint]], w_tpot: float) -> list[PolicySummary]:
+def summarize_standings(groups: Iterable[Sequence[PolicyPoint]], w_tpot: float,
+                        leave_out: Sequence[str] = ()) -> list[PolicySummary]:
     by_policy: dict[str, list[Standing]] = {}
     for group in groups:
-        for standing in standings(group, w_tpot):
+        for standing in standings(group, w_tpot, leave_out):
             by_policy.setdefault(standing.policy, []).append(standing)
     summaries = []
     for policy, items in by_policy.items():
@@ -259,11 +278,58 @@ def group_points(points: Sequence[PolicyPoint], link: str) -> list[list[PolicyPo
     return list(groups.values())
 
 
+def head_to_head(groups: Iterable[Sequence[PolicyPoint]], w_tpot: float) -> list[HeadToHead]:
+    """PPD at ``w_tpot`` against each other policy alone: where a peer wins, and by how much."""
+    mine = f"ppd@{w_tpot:g}"
+    scores: dict[str, list[float]] = {}
+    for group in groups:
+        ppd = next((p for p in group if p.policy == mine), None)
+        if ppd is None:
+            continue
+        for other in group:
+            if not other.policy.startswith("ppd@"):
+                scores.setdefault(other.policy, []).append(score(ppd, other, w_tpot))
+    out = []
+    for policy, values in scores.items():
+        values.sort()
+        out.append(HeadToHead(policy, len(values), sum(v >= -TIE for v in values) / len(values),
+                              sum(v > TIE for v in values) / len(values), values[len(values) // 2]))
+    return sorted(out, key=lambda h: (h.at_least_minus_tie, h.policy))
+
+
 def compare(points: Sequence[PolicyPoint], links: Sequence[str], weights: Sequence[float],
             profile: str, seeds: list[int]) -> CompareReport:
-    summaries = {f"{link} w_tpot {w:g}": summarize_standings(group_points(points, link), w)
-                 for link in links for w in weights}
-    return CompareReport(profile, seeds, list(points), summaries)
+    keys = [(f"{link} w_tpot {w:g}", link, w) for link in links for w in weights]
+    summaries = {key: summarize_standings(group_points(points, link), w) for key, link, w in keys}
+    same = {key: summarize_standings(group_points(points, link), w, OTHER_DEPLOYMENTS)
+            for key, link, w in keys}
+    versus = {key: head_to_head(group_points(points, link), w) for key, link, w in keys}
+    return CompareReport(profile, seeds, list(points), summaries, same, versus)
+
+
+def measured_replicas_against_pd() -> list[tuple[str, int, int, int]]:
+    """The paper authors' own H100 measurements (bundled): each P/D configuration against 4R at
+    weights 1,1, scored as here ((config, wins, ties, losses) over the points both completed):
+    how much of replicas' lead is the hardware's, not the simulator's."""
+    from .paper_data import bundled_points
+
+    by_key = {(p.config, p.workload, p.qps): p for p in bundled_points()}
+    out = []
+    for config in ("1P_3pD", "1P_3D", "3P_1pD", "3P_1D"):
+        wins = ties = losses = 0
+        for (c, workload, qps), replica in by_key.items():
+            other = by_key.get((config, workload, qps))
+            if c != "4R" or other is None or not (replica.completed and other.completed):
+                continue
+            a = PolicyPoint("", "", workload, qps, config, other.success_rate, other.turn2.avg_ttft_ms,
+                            other.turn2.avg_tpot_ms, None, other.tokens_per_sec, 0.0)
+            b = PolicyPoint("", "", workload, qps, "4R", replica.success_rate, replica.turn2.avg_ttft_ms,
+                            replica.turn2.avg_tpot_ms, None, replica.tokens_per_sec, 0.0)
+            result = outcome_of(score(a, b, 1.0))
+            wins, ties = wins + (result == "win"), ties + (result == "tie")
+            losses += result == "loss"
+        out.append((config, wins, ties, losses))
+    return out
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -284,6 +350,26 @@ def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0
              "where B does not is a loss. A policy's score at a point is against the best other "
              f"policy there; |score| <= {TIE} is a tie. Module docstring of `dynamo_ppd/bench/policies.py`: "
              "every policy and its source.", ""]
+    lines += ["## PPD at a glance", "",
+              "PPD at each weight against the best other policy: among all of them, and among those that "
+              f"run the P/D workers as they are (without {', '.join(OTHER_DEPLOYMENTS)}, which turn "
+              "GPUs into aggregated workers: another deployment, not another routing decision).", "",
+              "| link | w_tpot | points | >= -0.02 (all) | > +0.02 (all) | >= -0.02 (same P/D) "
+              "| > +0.02 (same P/D) | beaten most by (same P/D) |",
+              "|---|---|---|---|---|---|---|---|"]
+    for key, summaries in report.summaries.items():
+        link, w = key.split(" w_tpot ")
+        mine = next((s for s in summaries if s.policy == f"ppd@{w}"), None)
+        same = next((s for s in report.same_deployment.get(key, []) if s.policy == f"ppd@{w}"), None)
+        if mine and same:
+            lines.append(f"| {link} | {w} | {mine.points} | {_pct(mine.at_least_minus_tie)} | "
+                         f"{_pct(mine.above_tie)} | {_pct(same.at_least_minus_tie)} | {_pct(same.above_tie)} "
+                         f"| {same.beaten_most_by or '-'} |")
+    measured = measured_replicas_against_pd()
+    lines += ["", "Replicas' lead is the hardware's: on the paper authors' own H100 measurements (bundled, "
+              "`dynamo_ppd/bench/data`), scored the same way at weights 1,1, each P/D configuration against "
+              "4R: " + "; ".join(f"{c} {w} wins, {t} ties, {lo} losses" for c, w, t, lo in measured)
+              + ". Four aggregated GPUs decode with four; a P/D split decodes with its D GPUs only.", ""]
     for key, summaries in report.summaries.items():
         lines += [f"## {key}", "",
                   "| policy | points | wins | ties | losses | score >= -0.02 | score > +0.02 "
@@ -292,6 +378,13 @@ def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0
         for s in summaries:
             lines.append(f"| {s.policy} | {s.points} | {s.wins} | {s.ties} | {s.losses} | "
                          f"{_pct(s.at_least_minus_tie)} | {_pct(s.above_tie)} | {s.beaten_most_by or '-'} |")
+        versus = report.head_to_head.get(key, [])
+        if versus:
+            lines += ["", f"PPD at w_tpot {key.split(' w_tpot ')[1]} against each policy alone:", "",
+                      "| against | points | PPD >= -0.02 | PPD > +0.02 | median score |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {h.policy} | {h.points} | {_pct(h.at_least_minus_tie)} | {_pct(h.above_tie)} | "
+                      f"{h.median_score:+.3f} |" for h in versus]
         lines.append("")
     return "\n".join(lines)
 
