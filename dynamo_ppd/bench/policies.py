@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -124,6 +125,9 @@ class PolicyPoint(msgspec.Struct, frozen=True):
     turn2_p99_ttft_s: float | None
     tokens_per_sec: float
     local_share: float  # follow-ups that ran decode-local (aggregated counts as neither)
+    # CPU seconds of the simulation (on the first point of those that share it, 0 on the others):
+    # what the grid costs whatever else the machine runs.
+    sim_cpu_s: float = 0.0
 
 
 def _conversations(workload: str, rate: float, seed: int) -> tuple[list[Conversation], float]:
@@ -171,6 +175,7 @@ def simulation_key(spec: CompareSpec) -> tuple:
 
 
 def run_spec(spec: CompareSpec) -> PolicyPoint:
+    started = time.process_time()
     profile = load_profile(spec.profile)
     cluster_config, router = router_for(profile, spec.config, spec.policy, spec.seed)
     conversations, timeout_s = _conversations(spec.workload, spec.rate, spec.seed)
@@ -179,7 +184,8 @@ def run_spec(spec: CompareSpec) -> PolicyPoint:
     outcome: Outcome = result.outcome()
     return PolicyPoint(spec.config, spec.link, spec.workload, spec.rate, spec.policy, outcome.success_rate,
                        outcome.turn2_ttft_mean_with_timeouts_s, outcome.turn2.avg_tpot_s,
-                       outcome.turn2.p99_ttft_s, outcome.tokens_per_sec, result.local_share())
+                       outcome.turn2.p99_ttft_s, outcome.tokens_per_sec, result.local_share(),
+                       time.process_time() - started)
 
 
 # -- scoring -------------------------------------------------------------------------------------
@@ -341,9 +347,12 @@ def _pct(x: float) -> str:
 def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0) -> str:
     n_points = len({(p.config, p.link, p.workload, p.rate) for p in report.points})
     reuse = f" ({reused} of the policy runs reused from the --reuse report)" if reused else ""
+    cpu_s = sum(p.sim_cpu_s for p in report.points)
+    simulations = sum(p.sim_cpu_s > 0 for p in report.points)
     lines = ["# Every P/D policy on one simulated cluster", "",
-             f"Produced by `{command}` in {wall_s / 60:.1f} min{reuse}: {n_points} points x policies, "
-             f"profile "
+             f"Produced by `{command}` in {wall_s / 60:.1f} min{reuse}: {n_points} points x policies "
+             f"({len(report.points)} policy runs from {simulations} simulations: {cpu_s / 60:.1f} CPU min, "
+             f"{cpu_s / 120:.1f} min on 2 cores), profile "
              f"`{report.profile}`, seeds {report.seeds}. Score of A against B: the paper's, "
              "`w_ttft (TTFT_B - TTFT_A)/TTFT_B - w_tpot (TPOT_A - TPOT_B)/TPOT_B` on turn-2+ mean TTFT "
              "(failed follow-ups at the timeout) and turn-2+ mean TPOT; missing the 95% success bar "
@@ -470,8 +479,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import time
-
     try:
         load_profile(args.profile)
         policies = args.policies or policy_names(args.weights)
@@ -512,7 +519,9 @@ def main(args: argparse.Namespace) -> int:
     with ProcessPoolExecutor(args.jobs) as pool:
         for group, point in zip(sharing.values(), pool.map(run_spec, [g[0] for g in sharing.values()],
                                                            chunksize=4), strict=True):
-            points.extend(msgspec.structs.replace(point, config=s.config, link=s.link) for s in group)
+            points.extend(msgspec.structs.replace(point, config=s.config, link=s.link,
+                                                  sim_cpu_s=point.sim_cpu_s if i == 0 else 0.0)
+                          for i, s in enumerate(group))
             progress.step()
     wall = time.monotonic() - started
     report = compare(points, args.links, args.weights, args.profile, [args.seed])
