@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -151,12 +152,13 @@ def play(url: str, system: str, workload: str, rate: float, manifest: Manifest, 
     results = asyncio.run(run_manifest(url, manifest, seed=seed, on_result=progress, dilation=dilation,
                                        horizon_s=horizon_s))
     cores = meter.stop() if meter is not None else {}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     progress.close()
     wall = time.monotonic() - started
     span = max((c.arrival_s for c in manifest.conversations), default=0.0)
     return res.summarize(system, workload, rate, results, max(span, wall / dilation), dilation=dilation,
                          conversations=len(manifest.conversations), horizon_s=horizon_s, wall_s=wall,
-                         cpu_cores=cores, **extra)
+                         cpu_cores=cores, load_avg=load, **extra)
 
 
 def _base_manifests(workload: str | None, manifest_path: Path | None, rates: list[float],

@@ -77,6 +77,7 @@ class Point(msgspec.Struct, frozen=True):
     cut: int = 0  # requests running at the horizon, left out of the outcome
     wall_s: float = 0.0
     cpu_cores: dict[str, float] = {}  # process (group) -> cores used over the point
+    load_avg: float | None = None  # the machine's 1-minute load average at the point's end
     samples: list[Sample] = []
     sim_samples: list[Sample] | None = None  # the virtual-clock simulation of the same manifest
     sim_outcome: Outcome | None = None
@@ -229,10 +230,10 @@ def markdown(results: BenchResults, baseline: str = "pd",
               "played, follow-ups answered and requests cut at the horizon; the turn-2+ TTFT interval's "
               "half-width against the +-10% target; live over the virtual-clock simulation of the same "
               "manifest; client lag p99 (model ms, and wall ms = model x N); cores each kind of process "
-              "used over the point.", "",
-              "| system | QPS | N | conv | follow-ups | cut | TTFT 2+ CI +- | live/sim TTFT 2+ p50 | "
-              "live/sim TPOT p50 | client lag p99 | cores | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "used over the point, and the machine's load average (everything running on it) at its end.",
+              "", "| system | QPS | N | conv | follow-ups | cut | TTFT 2+ CI +- | live/sim TTFT 2+ p50 | "
+              "live/sim TPOT p50 | client lag p99 | cores | load | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         iv = interval(p, "turn2_ttft")
         width = "-" if iv is None else f"{iv.half_width * 100:.1f}%{'' if iv.within() else ' (> 10%)'}"
@@ -240,7 +241,8 @@ def markdown(results: BenchResults, baseline: str = "pd",
             f"| {p.system} | {p.qps:g} | {p.dilation:g} | {p.conversations} | {p.outcome.turn2.count} | "
             f"{p.cut} | {width} | {_x(ratio(p, p, 'turn2_ttft', b_sim=True))} | "
             f"{_x(ratio(p, p, 'tpot', b_sim=True))} | {p.client_lag_ms.p99:.2f} ms "
-            f"({p.client_lag_ms.p99 * p.dilation:.1f}) | {_cores(p.cpu_cores)} | {p.note} |")
+            f"({p.client_lag_ms.p99 * p.dilation:.1f}) | {_cores(p.cpu_cores)} | "
+            f"{'-' if p.load_avg is None else f'{p.load_avg:.1f}'} | {p.note} |")
     return "\n".join(lines)
 
 
