@@ -344,6 +344,31 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
+# What this comparison changed in PPD, and why (issue 12's item 4: fix the policy, not the scoring).
+# Each was a loss the report showed, traced to its cause on single points.
+POLICY_CHANGES = """\
+## What the comparison changed in PPD, and why
+
+- **One placement** (`dynamo_ppd/policy/placement.py`): the simulator's PPD chose its prefill
+  worker by load alone while the router weighed cached tokens; both now call the same functions,
+  so what is tuned here is what the router runs (`tests/test_placement.py` places one request
+  identically from the same state).
+- **Queue time linear in tokens** (`ProfilePredictor`): a cell's mean queue of a few tokens was
+  priced as a whole iteration's weights, and the online correction then sent follow-ups through
+  the prefill worker against the cell's decision.
+- **The correction calibrates the nominal too**: the online correction compared live conditions
+  through the calibration with the cell's nominal ones without it, adding the model's bias back
+  and flipping small-margin cells to via-prefill.
+- **The nominal prefill worker holds turn 1's prompt, not its answer**
+  (`ContextClass.first_output_tokens`): the table's x=0 was priced with a cache hit it never gets.
+- **An engine's waiting prompt tokens are the prefill work ahead**
+  (`LoadSnapshot.waiting_prompt_tokens`): transferred requests and cached prefixes counted whole
+  made a busy decode worker look as if a 2,000-token history were queued for a 20-token append,
+  and PPD avoided it.
+- Tables rebuilt after each (`just tables`).
+"""
+
+
 def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0) -> str:
     n_points = len({(p.config, p.link, p.workload, p.rate) for p in report.points})
     reuse = f" ({reused} of the policy runs reused from the --reuse report)" if reused else ""
@@ -379,6 +404,7 @@ def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0
               "`dynamo_ppd/bench/data`), scored the same way at weights 1,1, each P/D configuration against "
               "4R: " + "; ".join(f"{c} {w} wins, {t} ties, {lo} losses" for c, w, t, lo in measured)
               + ". Four aggregated GPUs decode with four; a P/D split decodes with its D GPUs only.", ""]
+    lines += [POLICY_CHANGES]
     for key, summaries in report.summaries.items():
         lines += [f"## {key}", "",
                   "| policy | points | wins | ties | losses | score >= -0.02 | score > +0.02 "
