@@ -57,3 +57,8 @@ reproduce *args:
 # router/etcd/NATS restart) -> docs/chaos.md, docs/chaos.json (see `dynamo-ppd chaos --help`).
 chaos *args:
     uv run dynamo-ppd chaos --out docs/chaos {{args}}
+
+# CPU per relayed token of the PPD router, a bare pass-through relay and Dynamo's frontend-native PD,
+# router replicas, TTFT at low load (see `python -m dynamo_ppd.router.bench_relay --help`).
+bench-relay *args:
+    uv run python -m dynamo_ppd.router.bench_relay {{args}}

@@ -149,7 +149,8 @@ def measure_load(system: str, replicas: int, rate: float, duration_s: float, wor
 
 def _ttft_ms(client: httpx.Client, base_url: str, model: str, messages: list[dict], max_tokens: int,
              session: str) -> tuple[float, str]:
-    body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "messages": messages}
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            "messages": messages}
     sent = time.perf_counter()
     first, text = None, ""
     with client.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60,
@@ -234,8 +235,8 @@ def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) ->
         for n, run in enumerate(multi):
             total = sum(run.per_replica_tokens.values())
             for label, tokens in sorted(run.per_replica_tokens.items()):
-                out.append(f"| {run.system} x{run.replicas} @ {run.rate:g} #{n + 1} | {label} | {tokens:,.0f} | "
-                           f"{tokens / total:.1%} | {run.cpu_s[label] / tokens * 1e6:.0f} |")
+                out.append(f"| {run.system} x{run.replicas} @ {run.rate:g} #{n + 1} | {label} | "
+                           f"{tokens:,.0f} | {tokens / total:.1%} | {run.cpu_s[label] / tokens * 1e6:.0f} |")
     if ttft:
         out += ["", "TTFT at low load (ms, p50 [p10-p90]; one 2-turn conversation at a time, 4 output "
                 "tokens):", "", "| system | n | turn 1 | turn 2 |", "|---|---|---|---|"]
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
     parser.add_argument("--repeats", type=int, default=2, help="runs per system and rate (fresh graph each)")
     parser.add_argument("--router-replicas", type=_floats, default=[1.0],
-                        help="router replica counts to run ppd and relay with, e.g. 1,2")
+                        help="PPD router replica counts to run, e.g. 1,2 (the bare relay runs one)")
     parser.add_argument("--ttft-conversations", type=int, default=40,
                         help="low-load TTFT samples per system (0: skip)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
@@ -275,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s for s in args.systems.split(",") if s]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
-        parser.error(f"--systems: unknown {unknown[0] if unknown else '(none)'}; choose from {','.join(SYSTEMS)}")
+        parser.error(f"--systems: unknown {unknown[0] if unknown else '(none)'}; "
+                     f"choose from {','.join(SYSTEMS)}")
     if args.repeats < 1 or args.duration <= 0:
         parser.error("--repeats must be >= 1 and --duration > 0")
     runs: list[Run] = []
@@ -284,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         for rate in args.rate:
             for system in systems:
-                counts = [int(n) for n in args.router_replicas] if RELAY_LABEL[system] else [1]
+                counts = [int(n) for n in args.router_replicas] if system == "ppd" else [1]
                 for replicas in counts:
                     for repeat in range(args.repeats):
                         tag = f"{replicas}-{rate:g}-{repeat}"

@@ -20,7 +20,9 @@ too, by the router's migration).
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -70,7 +72,8 @@ async def _open(client, request: dict, worker: int, context) -> AsyncIterator[di
 
 async def prefill_then_decode(prefill_client, decode_client, request: dict[str, Any], prefill: int,
                               decode: Callable[[], Awaitable[int]], context,
-                              prefill_done: Callable[[], None] = lambda: None) -> AsyncIterator[dict]:
+                              prefill_done: Callable[[], None] = lambda: None,
+                              coalesce: bool = True) -> AsyncIterator[dict]:
     """``decode`` is asked for the decode worker only once the prefill is done, so whatever
     settles it (a new session's etcd claim) overlaps with the prefill. ``prefill_done`` is called
     once the prefill leg is over, however it ended (the prefill worker's load is released then)."""
@@ -93,29 +96,109 @@ async def prefill_then_decode(prefill_client, decode_client, request: dict[str, 
         raise WorkerFailed(prefill, RuntimeError("prefill worker returned no disaggregated_params"))
     decode_request = dict(request)
     decode_request["prefill_result"] = {"disaggregated_params": params, "prompt_tokens_details": details}
-    async for chunk in _stream(decode_client, decode_request, await decode(), context):
+    async for chunk in _stream(decode_client, decode_request, await decode(), context, coalesce):
         yield chunk
 
 
-async def decode_local(decode_client, request: dict[str, Any], decode: int, context) -> AsyncIterator[dict]:
+def decode_local(decode_client, request: dict[str, Any], decode: int, context,
+                 coalesce: bool = True) -> AsyncIterator[dict]:
     local_request = dict(request)
     local_request["annotations"] = [*request.get("annotations", []), BYPASS_REMOTE_PREFILL_ANNOTATION]
-    async for chunk in _stream(decode_client, local_request, decode, context):
-        yield chunk
+    return _stream(decode_client, local_request, decode, context, coalesce)
 
 
-async def replica(client, request: dict[str, Any], worker: int, context) -> AsyncIterator[dict]:
-    async for chunk in _stream(client, request, worker, context):
-        yield chunk
+def replica(client, request: dict[str, Any], worker: int, context,
+            coalesce: bool = True) -> AsyncIterator[dict]:
+    return _stream(client, request, worker, context, coalesce)
 
 
-async def _stream(client, request: dict, worker: int, context) -> AsyncIterator[dict]:
+async def _stream(client, request: dict, worker: int, context, coalesce: bool = True) -> AsyncIterator[dict]:
     """Relay a worker's stream; its errors become `WorkerRejected` or `WorkerFailed` (with
-    ``started`` once a chunk went out, so the router can continue the answer elsewhere)."""
+    ``started`` once a chunk went out, so the router can continue the answer elsewhere).
+    ``coalesce``: chunks already waiting go out as one (`coalesced`)."""
     started = False
     try:
-        async for chunk in await _open(client, request, worker, context):
+        stream = await _open(client, request, worker, context)
+        async for chunk in (coalesced(stream) if coalesce else stream):
             started = True
             yield chunk
     except Exception as exc:  # noqa: BLE001
         raise classify(worker, exc, started) from exc
+
+
+# Keys a plain token chunk has (the simulated and TensorRT-LLM workers' mid-answer chunks), and
+# those the last chunk of a run may add (the answer's end). Anything else (log probs, a prefill's
+# disaggregated_params, an error) is never merged, so no field is lost or reordered.
+_PLAIN = frozenset({"token_ids", "index"})
+_LAST = _PLAIN | {"finish_reason", "completion_usage", "engine_data"}
+
+
+def mergeable(head: dict, chunk: dict) -> bool:
+    """``chunk`` may be folded into ``head``: head is plain tokens, chunk is tokens or the
+    answer's (non-error) end, both for the same choice."""
+    return (head.keys() <= _PLAIN and chunk.keys() <= _LAST and head.get("index") == chunk.get("index")
+            and not isinstance(chunk.get("finish_reason"), dict))
+
+
+def merge_waiting(waiting: deque[dict]) -> dict:
+    """The first waiting chunk with every mergeable one after it folded in (their tokens in order;
+    the last one's end fields); the rest stay waiting."""
+    head = waiting.popleft()
+    if not waiting or not mergeable(head, waiting[0]):
+        return head
+    tokens = list(head.get("token_ids") or [])
+    while waiting and mergeable(head, waiting[0]):
+        head = waiting.popleft()
+        tokens.extend(head.get("token_ids") or [])
+        if head.keys() > _PLAIN:
+            break  # the answer's end: nothing may follow it in the same chunk
+    return {**head, "token_ids": tokens}
+
+
+async def coalesced(stream: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """The worker's chunks, with those that are already waiting when the next one is asked for
+    merged into one (`merge_waiting`); a chunk is never held back to wait for another.
+
+    Each chunk crossing Dynamo's Python bindings costs a hop each way (a Rust future resolved on
+    the event loop coming in, a Python generator step driven from Rust going out, then the
+    frontend's work per chunk). Incoming chunks cannot be batched with the 1.6.1 bindings (one
+    item per ``__anext__``), but outgoing ones can: a pump task drains the worker's stream into a
+    queue while the consumer is busy, and the consumer takes everything queued at once. Idle, every
+    chunk goes out alone as soon as it arrives; saturated, the router sends fewer, larger chunks
+    and spends less per token, which is when it matters."""
+    loop = asyncio.get_running_loop()
+    waiting: deque[dict] = deque()
+    wake: asyncio.Future | None = None
+    failure: BaseException | None = None
+    ended = False
+
+    async def pump() -> None:
+        nonlocal failure, ended
+        try:
+            async for chunk in stream:
+                waiting.append(chunk)
+                if wake is not None and not wake.done():
+                    wake.set_result(None)
+        except Exception as exc:  # noqa: BLE001 (re-raised in the consumer, after what came before)
+            failure = exc
+        finally:
+            ended = True
+            if wake is not None and not wake.done():
+                wake.set_result(None)
+
+    task = loop.create_task(pump())
+    try:
+        while True:
+            if waiting:
+                yield merge_waiting(waiting)
+            elif ended:
+                if failure is not None:
+                    raise failure
+                return
+            else:
+                wake = loop.create_future()
+                await wake
+                wake = None
+    finally:
+        if not task.done():
+            task.cancel()  # the consumer went away (the client cancelled): stop reading the worker

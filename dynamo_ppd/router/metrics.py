@@ -61,6 +61,11 @@ class RouterMetrics:
         self.kv_silent_workers = Gauge(
             "ppd_kv_silent_workers", "Decode workers that served turns but never published a KV event",
             registry=self.registry)
+        self.relayed_tokens = Counter("ppd_relayed_tokens", "Answer tokens relayed to the frontend",
+                                      registry=self.registry)
+        self.relayed_chunks = Counter(
+            "ppd_relayed_chunks", "Answer chunks relayed to the frontend (fewer than tokens: coalesced)",
+            registry=self.registry)
         self.errors = Counter("ppd_request_errors", "Requests that ended in an error", ["kind"],
                               registry=self.registry)
 

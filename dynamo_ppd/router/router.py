@@ -224,6 +224,7 @@ class PpdRouter:
         self.rate.record(started)
         output: list[int] = []
         first_at = last_at = None
+        chunks = 0
         try:
             plan = await self._plan(request, tokens, forced)
             async for chunk in self._run(plan, request, context):
@@ -232,6 +233,7 @@ class PpdRouter:
                     last_at = time.monotonic()
                     first_at = first_at or last_at
                 output.extend(new)
+                chunks += 1
                 yield chunk
         except NoWorkers as exc:  # wherever it was found out: planning, re-homing, migrating
             self.metrics.errors.labels("no_workers").inc()
@@ -242,6 +244,9 @@ class PpdRouter:
         except dispatch.WorkerRejected as exc:  # the worker's validation: the client's 4xx
             self.metrics.errors.labels("rejected").inc()
             raise InvalidArgument(str(exc)) from None
+        finally:  # once per request, not per chunk (tokens / chunks: how much coalescing merged)
+            self.metrics.relayed_tokens.inc(len(output))
+            self.metrics.relayed_chunks.inc(chunks)
         if _cancelled(context):
             return  # the client went away: its next turn will not carry this partial answer
         if (plan.turn > 1 and first_at is not None and last_at is not None
