@@ -18,8 +18,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
 from ..engine.profile import load_profile
 from ..policy import placement
@@ -30,6 +28,7 @@ from . import dispatch
 from .args import RouterConfig
 from .kv_sync import KvSync
 from .limits import RequestLimits, WorkerCards
+from .load_reports import LoadReports
 from .metrics import RouterMetrics, debug_line
 from .rate_share import RatePublisher, SharedRate
 from .residency import Residency, kv_events_subject, prefix_chain
@@ -131,7 +130,7 @@ class PpdRouter:
                                      block_size=config.block_size, max_sessions=config.max_sessions,
                                      on_evict=metrics.sessions_evicted.inc)
         self.loads = _Loads()
-        self.reports: dict[int, dict] = {}  # latest forward-pass metrics per worker
+        self.reports = LoadReports()  # latest forward-pass metrics per worker
         # The policy reads the rate of all router replicas together (each publishes its own).
         self.rate = SharedRate(SlidingWindowRate(window_s=10.0))
         self._rate_publisher = RatePublisher(self.rate, config.namespace, on_publish=metrics.set_rates)
@@ -168,20 +167,21 @@ class PpdRouter:
             self.metrics.nats_up.set(1)
             kv_sync.reconnected()
 
-        async def on_load_report(msg) -> None:
-            try:
-                report = msgspec.msgpack.decode(msgspec.msgpack.decode(msg.data)["payload"])
-                self.reports[int(report["worker_id"])] = report
-            except Exception:  # noqa: BLE001 (a malformed report only costs freshness)
-                log.debug("ignoring a malformed forward-pass-metrics message")
-
         self._nats = await nats.connect(cfg.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=1,
                                         disconnected_cb=nats_down, reconnected_cb=nats_up)
         self.metrics.nats_up.set(1)
         await self.kv_sync.start(self._nats)
         for component in components.values():
-            await self._nats.subscribe(kv_events_subject(ns, component, topic="forward-pass-metrics"),
-                                       cb=on_load_report)
+            try:  # the latest report per worker, kept in Rust (`load_reports`)
+                from dynamo.llm import FpmEventSubscriber
+
+                tracker = FpmEventSubscriber(self.runtime.endpoint(f"{ns}.{component}.generate"))
+                tracker.start_tracking()
+                self.reports.track(tracker)
+            except Exception as exc:  # noqa: BLE001 (another Dynamo build: parse every report here)
+                log.info("forward-pass metrics of %s over NATS in Python (%s)", component, exc)
+                await self._nats.subscribe(kv_events_subject(ns, component, topic="forward-pass-metrics"),
+                                           cb=self.reports.on_nats_message)
         await self.sessions.start()
         await self._rate_publisher.start(self._nats)
 
@@ -195,6 +195,7 @@ class PpdRouter:
         if self.kv_sync is not None:
             await self.kv_sync.stop()
         await self._rate_publisher.stop()
+        self.reports.shutdown()
         await self.sessions.stop()  # flushes pending session writes
         if self._nats is not None:
             await self._nats.close()
