@@ -160,3 +160,36 @@ def test_a_consumer_that_goes_away_stops_reading_the_worker():
     stopped = asyncio.Event()
     asyncio.run(main())
     assert stopped.is_set()
+
+
+class _Tracker:
+    """Dynamo's FpmEventSubscriber in tracking mode: the latest raw report per (worker, rank)."""
+
+    def __init__(self, stats: dict):
+        self.stats, self.calls = stats, 0
+
+    def get_recent_stats(self) -> dict:
+        self.calls += 1
+        return dict(self.stats)
+
+
+def test_load_reports_are_the_workers_latest_decoded_when_read():
+    import msgspec
+
+    from dynamo_ppd.router.load_reports import LoadReports
+
+    def raw(worker: int, decode: int) -> bytes:
+        return msgspec.msgpack.encode({"worker_id": str(worker), "dp_rank": 0,
+                                       "scheduled_requests": {"num_decode_requests": decode}})
+
+    prefill = _Tracker({("11", 0): raw(11, 0)})
+    decode = _Tracker({("22", 0): raw(22, 3), ("22", 1): raw(22, 9)})
+    reports = LoadReports()
+    reports.track(prefill)
+    reports.track(decode)
+    assert reports.get(22)["scheduled_requests"]["num_decode_requests"] == 3  # the lowest rank
+    assert reports.get(11)["worker_id"] == "11" and reports.get(33) is None and reports.get(33, {}) == {}
+    decode.stats[("22", 0)] = raw(22, 5)  # a newer report replaces the old one
+    assert reports.get(22)["scheduled_requests"]["num_decode_requests"] == 5
+    reports[44] = {"worker_id": "44"}  # set directly (the NATS fallback, tests)
+    assert reports.get(44) == {"worker_id": "44"}

@@ -94,6 +94,9 @@ def test_concurrent_answers_are_exact_while_chunks_are_merged(fast):
     print(f"\n{tokens:.0f} tokens relayed in {chunks:.0f} chunks; the client saw {events} content events")
     assert tokens == TOKENS * 2 * len(sessions)
     assert chunks < 0.9 * tokens  # the router did merge waiting chunks
+    # The workers' load reports reach the router through Dynamo's tracker, not parsed one by one.
+    router = next(p for p in fast.workers if p.label.startswith("router"))
+    assert "over NATS in Python" not in _log(router)
 
 
 def test_a_decode_worker_killed_while_chunks_wait_does_not_cut_the_answer(fast):

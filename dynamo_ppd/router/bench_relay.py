@@ -215,14 +215,17 @@ def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) ->
     groups: dict[tuple[str, int, float], list[Run]] = {}
     for run in runs:
         groups.setdefault((run.system, run.replicas, run.rate), []).append(run)
-    out += ["| system | routers | conv/s | tokens/run | failed | relay us/token | relay saturates a core at "
-            "| frontend us/token | decode worker us/token | client lag p99 ms |",
+    out += ["| system | relay processes | conv/s | tokens/run | failed | relay us/token (per process) "
+            "| one relay process saturates a core at | frontend us/token | decode workers us/token "
+            "| client lag p99 ms |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for (system, replicas, rate), group in groups.items():
         relay = [r.relay_us_per_token() for r in group]
         relay_text = "-" if relay[0] is None else _spread([v for v in relay if v is not None])
-        per_replica = [v / replicas for v in relay if v is not None]
-        sat = f"{1e6 / statistics.mean(per_replica):,.0f} tok/s per process" if per_replica else "-"
+        # With N replicas each relays ~1/N of the tokens on ~1/N of the CPU: the relay figure (all
+        # replicas' CPU over all tokens) is also each replica's CPU per token it relayed.
+        per_process = [v for v in relay if v is not None]
+        sat = f"{1e6 / statistics.mean(per_process):,.0f} tok/s" if per_process else "-"
         out.append(f"| {system} | {replicas if RELAY_LABEL[system] else '-'} | {rate:g} | "
                    f"{statistics.mean(r.tokens for r in group):,.0f} | {sum(r.failed for r in group)} | "
                    f"{relay_text} | {sat} | {_spread([r.us_per_token('frontend') for r in group])} | "
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
     parser.add_argument("--repeats", type=int, default=2, help="runs per system and rate (fresh graph each)")
     parser.add_argument("--router-replicas", type=_floats, default=[1.0],
-                        help="PPD router replica counts to run, e.g. 1,2 (the bare relay runs one)")
+                        help="relay replica counts (PPD router and bare relay) to run, e.g. 1,2")
     parser.add_argument("--ttft-conversations", type=int, default=40,
                         help="low-load TTFT samples per system (0: skip)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
@@ -286,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         for rate in args.rate:
             for system in systems:
-                counts = [int(n) for n in args.router_replicas] if system == "ppd" else [1]
+                counts = [int(n) for n in args.router_replicas] if RELAY_LABEL[system] else [1]
                 for replicas in counts:
                     for repeat in range(args.repeats):
                         tag = f"{replicas}-{rate:g}-{repeat}"
