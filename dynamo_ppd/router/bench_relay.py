@@ -70,13 +70,13 @@ def _cpu_by_label(dep) -> dict[str, float]:
     return {p.label: cpu_seconds(p.popen.pid) for p in dep.processes() if p.popen and p.exit_code() is None}
 
 
-def _relayed_tokens(dep) -> dict[str, float]:
-    """Each PPD router replica's ``ppd_relayed_tokens_total`` (empty for other systems)."""
+def _relayed(dep, what: str = "tokens") -> dict[str, float]:
+    """Each PPD router replica's ``ppd_relayed_<what>_total`` (empty for other systems)."""
     out = {}
     for label, url in dep.metrics_urls.items():
         if label.startswith("router"):
             for line in httpx.get(url, timeout=10).text.splitlines():
-                if line.startswith("ppd_relayed_tokens_total "):
+                if line.startswith(f"ppd_relayed_{what}_total "):
                     out[label] = float(line.split()[1])
     return out
 
@@ -95,6 +95,9 @@ class Run:
     wall_s: float
     per_replica_tokens: dict[str, float] = field(default_factory=dict)
     lag_p99_ms: float = 0.0
+    chunks: float | None = None  # chunks the PPD router sent for its tokens (fewer: coalesced)
+    worker_speedup: float = 1.0
+    errors: list[str] = field(default_factory=list)
 
     def us_per_token(self, prefix: str) -> float:
         """CPU us per relayed token of the processes whose label starts with ``prefix``."""
@@ -110,10 +113,17 @@ def _graph(system: str, workdir: Path) -> str:
     return ppd_graph_with_mode("ppd", workdir) if system == "ppd" else system
 
 
-def _up(system: str, replicas: int, workdir: Path, tag: str):
+def _up(system: str, replicas: int, workdir: Path, tag: str, worker_speedup: float = 1.0):
+    """``worker_speedup`` > 1: simulated workers faster than real time (their --speedup), so tokens
+    arrive faster than one relay process forwards them one by one: the relay is the bottleneck,
+    as on GPUs, instead of the workers sharing its cores."""
     extra = {"router": replicas} if RELAY_LABEL[system] else {}
+    # The PPD router is told too, so its rate and learned latencies stay on the workers' clock.
+    sped = ("prefill", "decode", "router") if system == "ppd" else ("prefill", "decode")
+    args = {c: ["--speedup", f"{worker_speedup:g}"] for c in sped} if worker_speedup != 1 else {}
     return start(ServeOptions(graph=_graph(system, workdir), http_port=free_port(), nats_port=free_port(),
-                              etcd_port=free_port(), run_dir=workdir / f"{system}-{tag}", replicas=extra),
+                              etcd_port=free_port(), run_dir=workdir / f"{system}-{tag}", replicas=extra,
+                              extra_args=args),
                  log=lambda _m: None)
 
 
@@ -123,18 +133,18 @@ def _warm_up(dep) -> None:
 
 
 def measure_load(system: str, replicas: int, rate: float, duration_s: float, workdir: Path, tag: str,
-                 seed: int = 0) -> Run:
+                 seed: int = 0, worker_speedup: float = 1.0) -> Run:
     manifest = syn_a_manifest(rate, duration_s, seed)
-    dep = _up(system, replicas, workdir, tag)
+    dep = _up(system, replicas, workdir, tag, worker_speedup)
     try:
         _warm_up(dep)
-        tokens_before = _relayed_tokens(dep)
+        tokens_before, chunks_before = _relayed(dep), _relayed(dep, "chunks")
         before = _cpu_by_label(dep)
         started = time.monotonic()
         results = asyncio.run(run_manifest(dep.base_url, manifest, seed=seed))
         wall = time.monotonic() - started
         after = _cpu_by_label(dep)
-        tokens_after = _relayed_tokens(dep)
+        tokens_after, chunks_after = _relayed(dep), _relayed(dep, "chunks")
     finally:
         dep.stop()
     by_key = {(c.conversation_id, i + 1): t.max_tokens for c in manifest.conversations
@@ -144,7 +154,9 @@ def measure_load(system: str, replicas: int, rate: float, duration_s: float, wor
     return Run(system, replicas, rate, {k: after[k] - before[k] for k in after if k in before},
                sum(by_key[(r.conversation_id, r.turn)] for r in ok), len(results), len(results) - len(ok),
                wall, {k: tokens_after[k] - tokens_before.get(k, 0.0) for k in tokens_after},
-               lags[int(0.99 * (len(lags) - 1))] * 1e3 if lags else 0.0)
+               lags[int(0.99 * (len(lags) - 1))] * 1e3 if lags else 0.0,
+               sum(chunks_after.values()) - sum(chunks_before.values()) if chunks_after else None,
+               worker_speedup, sorted({r.error or "?" for r in results if not r.ok}))
 
 
 def _ttft_ms(client: httpx.Client, base_url: str, model: str, messages: list[dict], max_tokens: int,
@@ -212,23 +224,25 @@ def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) ->
     """Markdown: CPU per relayed token per process, saturation rate, replicas, low-load TTFT."""
     out = [f"Load: `{WORKLOAD}` (turn 1 512 -> 128 tokens, turn 2 +32 -> 512), Poisson arrivals. "
            "CPU us per relayed token, mean [min-max] over repeats; tokens counted from the client.", ""]
-    groups: dict[tuple[str, int, float], list[Run]] = {}
+    groups: dict[tuple[str, int, float, float], list[Run]] = {}
     for run in runs:
-        groups.setdefault((run.system, run.replicas, run.rate), []).append(run)
-    out += ["| system | relay processes | conv/s | tokens/run | failed | relay us/token (per process) "
-            "| one relay process saturates a core at | frontend us/token | decode workers us/token "
-            "| client lag p99 ms |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for (system, replicas, rate), group in groups.items():
+        groups.setdefault((run.system, run.replicas, run.rate, run.worker_speedup), []).append(run)
+    out += ["| system | relay processes | conv/s | workers' speedup | tokens/run | failed "
+            "| relay us/token (per process) | one relay process saturates a core at | tokens per chunk out "
+            "| frontend us/token | decode workers us/token | client lag p99 ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (system, replicas, rate, speedup), group in groups.items():
         relay = [r.relay_us_per_token() for r in group]
         relay_text = "-" if relay[0] is None else _spread([v for v in relay if v is not None])
         # With N replicas each relays ~1/N of the tokens on ~1/N of the CPU: the relay figure (all
         # replicas' CPU over all tokens) is also each replica's CPU per token it relayed.
         per_process = [v for v in relay if v is not None]
         sat = f"{1e6 / statistics.mean(per_process):,.0f} tok/s" if per_process else "-"
-        out.append(f"| {system} | {replicas if RELAY_LABEL[system] else '-'} | {rate:g} | "
+        per_chunk = [r.tokens / r.chunks for r in group if r.chunks]
+        out.append(f"| {system} | {replicas if RELAY_LABEL[system] else '-'} | {rate:g} | {speedup:g} | "
                    f"{statistics.mean(r.tokens for r in group):,.0f} | {sum(r.failed for r in group)} | "
-                   f"{relay_text} | {sat} | {_spread([r.us_per_token('frontend') for r in group])} | "
+                   f"{relay_text} | {sat} | {f'{statistics.mean(per_chunk):.2f}' if per_chunk else '-'} | "
+                   f"{_spread([r.us_per_token('frontend') for r in group])} | "
                    f"{_spread([r.us_per_token('decode') for r in group])} | "
                    f"{max(r.lag_p99_ms for r in group):.0f} |")
     multi = [r for r in runs if r.replicas > 1 and r.per_replica_tokens]
@@ -271,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs per system and rate (fresh graph each)")
     parser.add_argument("--router-replicas", type=_floats, default=[1.0],
                         help="relay replica counts (PPD router and bare relay) to run, e.g. 1,2")
+    parser.add_argument("--worker-speedup", type=float, default=1.0,
+                        help="the simulated workers' --speedup (e.g. 20: tokens come 20x faster than real "
+                        "time, so the relay, not the workers, is the bottleneck on this machine)")
     parser.add_argument("--ttft-conversations", type=int, default=40,
                         help="low-load TTFT samples per system (0: skip)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
@@ -281,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not systems:
         parser.error(f"--systems: unknown {unknown[0] if unknown else '(none)'}; "
                      f"choose from {','.join(SYSTEMS)}")
-    if args.repeats < 1 or args.duration <= 0:
-        parser.error("--repeats must be >= 1 and --duration > 0")
+    if args.repeats < 1 or args.duration <= 0 or args.worker_speedup <= 0:
+        parser.error("--repeats must be >= 1, --duration and --worker-speedup > 0")
     runs: list[Run] = []
     ttft: dict[str, tuple[list[float], list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="ppd-relay-") as tmp:
@@ -294,9 +311,11 @@ def main(argv: list[str] | None = None) -> int:
                     for repeat in range(args.repeats):
                         tag = f"{replicas}-{rate:g}-{repeat}"
                         sys.stderr.write(f"{system} x{replicas} @ {rate:g} conv/s, run {repeat + 1} ...\n")
-                        run = measure_load(system, replicas, rate, args.duration, work, tag)
+                        run = measure_load(system, replicas, rate, args.duration, work, tag,
+                                           worker_speedup=args.worker_speedup)
                         sys.stderr.write(f"  {run.tokens:,} tokens, {run.failed} failed; relay "
-                                         f"{run.relay_us_per_token() or 0:.0f} us/token\n")
+                                         f"{run.relay_us_per_token() or 0:.0f} us/token "
+                                         f"{'; errors: ' + ', '.join(run.errors) if run.errors else ''}\n")
                         runs.append(run)
         if args.ttft_conversations:
             for system in systems:
