@@ -69,3 +69,21 @@ def test_a_request_submitted_mid_run_sees_the_same_engine():
     assert ran.records == stepped.records
     engine, reference_engine = (c.workers["D0"].engine for c in (cluster, reference))
     assert engine.busy_s == reference_engine.busy_s and engine.iterations == reference_engine.iterations
+
+
+def test_a_growing_sequence_commits_its_tail_as_its_whole_history():
+    from dynamo_ppd.engine.kv_cache import KvCache, SequenceKv
+
+    tokens = list(range(100, 260))
+    caches = [KvCache(capacity_blocks=16, block_size=32) for _ in range(2)]
+    seqs = [SequenceKv(), SequenceKv()]
+    for cache, seq in zip(caches, seqs, strict=True):
+        cache.admit(seq, [], 6)
+    for end in (40, 64, 100, 160):
+        caches[0].commit(seqs[0], tokens, end)
+        start = len(seqs[1].hashes) * 32
+        caches[1].commit(seqs[1], tokens[start:], end, offset=start)
+        assert seqs[1].hashes == seqs[0].hashes and seqs[1].kv_tokens == end
+    assert caches[1].drain_events() == caches[0].drain_events()
+    with pytest.raises(ValueError, match="miss block"):
+        caches[1].commit(seqs[1], tokens[200:], 200, offset=200)

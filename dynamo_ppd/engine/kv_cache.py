@@ -153,17 +153,21 @@ class KvCache:
         self._reserved += need
         return matched
 
-    def commit(self, seq: SequenceKv, tokens: list[int], kv_tokens: int) -> None:
-        """Record that the first ``kv_tokens`` of ``tokens`` now have KV in the cache: new full
-        blocks become cached (deduplicated against identical blocks already there)."""
+    def commit(self, seq: SequenceKv, tokens: list[int], kv_tokens: int, offset: int = 0) -> None:
+        """Record that the sequence's first ``kv_tokens`` tokens now have KV in the cache: new full
+        blocks become cached (deduplicated against identical blocks already there). ``tokens``
+        are the sequence's tokens from position ``offset`` on, which must not be after the first
+        block not yet cached (a growing sequence passes only its tail, not its whole history)."""
         bs = self.block_size
+        if offset > len(seq.hashes) * bs:
+            raise ValueError(f"tokens from {offset} on miss block {len(seq.hashes)}'s start")
         full = kv_tokens // bs
         new_hashes: list[int] = []
         new_tokens: list[int] = []
         first_parent = seq.hashes[-1] if seq.hashes else None
         for index in range(len(seq.hashes), full):
             parent = seq.hashes[-1] if seq.hashes else None
-            block_tokens = tokens[index * bs:(index + 1) * bs]
+            block_tokens = tokens[index * bs - offset:(index + 1) * bs - offset]
             h = chain_hash(parent, self.hasher(block_tokens, bs)[0])
             if h in self._blocks:
                 self._ref(h)

@@ -96,6 +96,13 @@ class EngineRequest:
     def all_tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def tokens_from(self, start: int) -> list[int]:
+        """``all_tokens()[start:]`` without copying the history before ``start``."""
+        prompt = self.prompt
+        if start >= len(prompt):
+            return self.output[start - len(prompt):]
+        return prompt[start:] + self.output
+
 
 @dataclass(frozen=True, slots=True)
 class TokenOutput:
@@ -354,7 +361,8 @@ class Engine:
             if kv_tokens // block_size == len(kv.hashes) and (kv_tokens % block_size == 0 or kv.has_partial):
                 kv.kv_tokens = kv_tokens  # inside a block that has its physical block already
             else:
-                cache.commit(kv, request.all_tokens(), kv_tokens)
+                start = len(kv.hashes) * block_size  # the first block not cached yet
+                cache.commit(kv, request.tokens_from(start), kv_tokens, offset=start)
             if every_token or len(output) + 1 >= request.max_tokens:
                 outputs.append(self._emit(request, now))
             else:
