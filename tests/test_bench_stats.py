@@ -59,6 +59,15 @@ def test_conversations_needed_scales_with_the_square_of_the_width():
     assert bs.conversations_needed(100, None) == 200
 
 
+def test_bench_compare_rejects_settings_it_cannot_honour(tmp_path, capsys):
+    from dynamo_ppd.cli import main
+
+    assert main(["bench", "compare", "--qps", "1,2", "--dilation", "2,3,4", "--out", str(tmp_path)]) == 2
+    assert "--dilation has 3 values for 2 rates" in capsys.readouterr().err
+    assert main(["bench", "compare", "--point-budget", "60", "--out", str(tmp_path)]) == 2
+    assert "--point-budget needs --cut-after" in capsys.readouterr().err
+
+
 def test_per_rate_and_speedup_args():
     assert per_rate(None, [1, 4]) == [1.0, 1.0]
     assert per_rate([8.0], [1, 4]) == [8.0, 8.0]

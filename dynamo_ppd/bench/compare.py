@@ -189,6 +189,9 @@ def compare(systems: list[str], workload: str | None, manifest_path: Path | None
     dilations = per_rate(dilation, rates)
     if size and not simulate:
         raise ValueError("sizing points needs the simulation (drop --no-simulate or pass --no-size)")
+    if point_budget_s is not None and cut_after_s is None:
+        raise ValueError("--point-budget needs --cut-after (without a horizon a point's length is "
+                         "not known before it runs)")
     name, bases = _base_manifests(workload, manifest_path, rates,
                                   max_conversations if size else conversations, seed)
     plans = []
