@@ -60,7 +60,7 @@ def test_grid_lookup_at_the_edges():
     assert grid.workload_class(10_000, 10_000).name == "very_long_gen"
     assert grid.workload_class(900, 40).name == "huge_paste"
     assert grid.workload_class(30, 300).name == "short_gen"
-    assert [grid.qps_level(q) for q in (0, 0.7, 5, 14, 100)] == [0.5, 0.5, 4, 12, 20]
+    assert [grid.qps_level(q) for q in (0, 0.7, 5, 14, 30, 100)] == [1, 1, 4, 12, 32, 40]
     labels = {w.name: grid.ratio_class(w) for w in grid.workload_classes}
     assert labels["long_gen"] == "decode-heavy" and labels["huge_paste"] == "prefill-heavy"
     assert labels["mid_bal"] == "balanced"
@@ -70,7 +70,8 @@ def test_default_grid_is_the_papers_workloads():
     grid = default_grid()
     sizes = {w.name: (w.input_tokens, w.output_tokens) for w in grid.workload_classes}
     assert sizes == PAPER_T2
-    assert grid.qps_levels == list(PAPER_QPS)
+    # The request rates the router sees at the paper's conversation rates (two turns each).
+    assert grid.qps_levels == [2 * q for q in PAPER_QPS] and grid.qps_levels[-1] == 40
     small, large, huge = grid.context_classes
     assert small.first_turn == PAPER_T1["small"] and large.first_turn == PAPER_T1["large"]
     assert huge.first_turn is None and huge.representative_tokens == 8192  # no paper workload there

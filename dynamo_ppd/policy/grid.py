@@ -15,8 +15,12 @@
   64 -> 1024, small_bal 64 -> 64, mid_bal 128 -> 128, mid_paste 256 -> 64, big_paste 512 -> 64,
   huge_paste 1024 -> 32. Each is labelled by its input/output ratio class (cut points 0.25 and
   2.0: decode-heavy, balanced, prefill-heavy). A request maps to the nearest point in log space.
-- QPS levels {0.5, 1, 2, 4, 6, 8, 10, 12, 16, 20}: the paper's rates, here as the request rate
-  the router measures (both turns of a conversation count); a measured rate snaps to the nearest.
+- QPS levels {1, 2, 4, 8, 12, 16, 20, 24, 32, 40}: the request rates the router measures (both
+  turns of a conversation count) at the paper's conversation rates {0.5, ..., 20}, so each cell
+  is measured at one of the paper's points; a measured rate snaps to the nearest. (The levels
+  were once the paper's numbers read as request rates, which capped the table at 10 conv/s: at
+  16 conv/s PPD read a 10 conv/s cell, and the online correction, measuring against that
+  cell's lighter decode batch, sent huge appends decode-local on a saturated decode worker.)
 
 All of it is configurable and stored in each table, so a table says what it was built on.
 """
@@ -29,7 +33,7 @@ from typing import Annotated
 
 import msgspec
 
-from ..bench.workloads import PAPER_QPS, PAPER_T1, PAPER_T2
+from ..bench.workloads import PAPER_QPS, PAPER_T1, PAPER_T2, PAPER_TURNS
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 
@@ -114,4 +118,4 @@ def default_grid() -> GridSpec:
                          paper_context_class("large", 4096, "large"),
                          ContextClass("huge", None, 8192)],  # no paper workload has > 4096 tokens
         workload_classes=workloads,
-        qps_levels=list(PAPER_QPS))
+        qps_levels=[PAPER_TURNS * q for q in PAPER_QPS])
