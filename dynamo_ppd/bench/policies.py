@@ -365,6 +365,11 @@ POLICY_CHANGES = """\
   (`LoadSnapshot.waiting_prompt_tokens`): transferred requests and cached prefixes counted whole
   made a busy decode worker look as if a 2,000-token history were queued for a 20-token append,
   and PPD avoided it.
+- **Table QPS levels at the paper's conversation rates** (`policy/grid.py`): the levels were the
+  paper's numbers read as request rates, so the table stopped at 10 conv/s; at 16 conv/s PPD read
+  a 10 conv/s cell and the correction, against that cell's lighter decode batch, sent huge
+  appends decode-local on a saturated decode worker (3P1D small_huge_paste at 16 and 20 conv/s:
+  -0.20 against isl_bounding, now a tie). The levels are now 1..40 requests/s.
 - Tables rebuilt after each (`just tables`).
 """
 
