@@ -143,32 +143,40 @@ def _ppd(profile: EngineProfile, config: str, w_tpot: float) -> PolicyRouter:
     return PolicyRouter(policy)
 
 
+def cluster_config_for(config: str, policy: str) -> str:
+    """The simulator's worker counts that run ``policy`` on ``config``'s GPUs."""
+    if policy == "replicas":
+        return replica_config(config)
+    if policy == "hybrid":
+        return parse_paper_config(hybrid_config(config)).cluster_config
+    return config
+
+
 def router_for(profile: EngineProfile, config: str, policy: str, seed: int) -> tuple[str, Router]:
     """(the simulator's worker counts, the router) that run ``policy`` on ``config``'s GPUs."""
+    cluster_config = cluster_config_for(config, policy)
     if policy == "x0":
-        return config, pd_router
+        return cluster_config, pd_router
     if policy == "x1":
-        return config, local_router
+        return cluster_config, local_router
     if policy == "x0.5":
-        return config, fraction_router(0.5, seed)
+        return cluster_config, fraction_router(0.5, seed)
     if policy == "replicas":
-        return replica_config(config), peers.make_peer_router("dynamo-kv-agg", seed, profile)
+        return cluster_config, peers.make_peer_router("dynamo-kv-agg", seed, profile)
     if policy == "hybrid":
-        paper = parse_paper_config(hybrid_config(config))
-        return paper.cluster_config, paper_proxy_router(paper, seed)
+        return cluster_config, paper_proxy_router(parse_paper_config(hybrid_config(config)), seed)
     if policy.startswith("ppd@"):
-        return config, _ppd(profile, config, float(policy[4:]))
+        return cluster_config, _ppd(profile, config, float(policy[4:]))
     if policy in _peers():
-        return config, peers.make_peer_router(policy, seed, profile)
+        return cluster_config, peers.make_peer_router(policy, seed, profile)
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(policy_names())}")
 
 
 def simulation_key(spec: CompareSpec) -> tuple:
     """What decides a spec's simulation: specs with one key run the same cluster, router and
     conversations, so one run serves them all (``replicas`` is 4R under every configuration,
-    and without a prefill worker no KV crosses a link)."""
-    profile = load_profile(spec.profile)
-    cluster_config, _ = router_for(profile, spec.config, spec.policy, spec.seed)
+    and without a prefill worker no KV crosses a link). No router is built for it."""
+    cluster_config = cluster_config_for(spec.config, spec.policy)
     has_prefill = parse_config(cluster_config)[0] > 0
     return (spec.profile, cluster_config, spec.link if has_prefill else None, spec.workload, spec.rate,
             spec.config if spec.policy.startswith("ppd@") else None, spec.policy, spec.seed)
