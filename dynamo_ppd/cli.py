@@ -20,6 +20,17 @@ def _port(text: str) -> int:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return value
+
+
 def positive_floats(kind: str = "values"):
     """An argparse type: a comma-separated list of positive numbers (rates, weights)."""
     def parse(text: str) -> list[float]:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..cli import comma_choices, positive_floats
+from ..cli import comma_choices, positive_floats, positive_seconds
 from ..launch import ServeOptions, start
 from ..launch.graph import load_graph
 from ..launch.process import free_port
@@ -285,16 +285,6 @@ def _count(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{compare,run,versus}")
     v = sub.add_parser("versus", help="two results files' shared points side by side (e.g. dilated "
@@ -321,7 +311,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="time dilation N, one for every rate or one per rate (e.g. 4,8,16,32): "
                        f"the client runs the schedule N times slower and divides what it measures by N; "
                        f"{workers}; default 1 (none)")
-        p.add_argument("--cut-after", type=_seconds, metavar="SECONDS",
+        p.add_argument("--cut-after", type=positive_seconds, metavar="SECONDS",
                        help="end each point this many model seconds after its last arrival (requests "
                        "running then are left out and counted as cut); default: run every "
                        "conversation to its end")
@@ -334,7 +324,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            help="conversations per point: the sizing's pilot, or the size with --no-size")
             p.add_argument("--max-conversations", type=_count, default=2000,
                            help="the most conversations sizing may give a point")
-            p.add_argument("--point-budget", type=_seconds, metavar="SECONDS",
+            p.add_argument("--point-budget", type=positive_seconds, metavar="SECONDS",
                            help="the most wall seconds sizing may give a point (its model duration "
                            "x the dilation; needs --cut-after); default: no limit")
             p.add_argument("--size", action=argparse.BooleanOptionalAction, default=True,

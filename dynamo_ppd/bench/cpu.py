@@ -25,6 +25,14 @@ def _stat_fields(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 0
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all its threads) of one live process; OSError if it is gone."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        raise ProcessLookupError(f"no process {pid}")
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (clock ticks)
+
+
 def group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) of every live process in process group ``pgid``."""
     total = 0

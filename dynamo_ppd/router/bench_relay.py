@@ -37,6 +37,7 @@ import msgspec
 
 from ..bench.client import run_manifest
 from ..bench.compare import ppd_graph_with_mode
+from ..bench.cpu import process_cpu_s
 from ..bench.manifest import Manifest, ManifestConversation, ManifestHeader, ManifestTurn
 from ..launch import ServeOptions, start
 from ..launch.process import free_port
@@ -60,14 +61,8 @@ def syn_a_manifest(rate: float, duration_s: float, seed: int = 0) -> Manifest:
                              for i, t in enumerate(poisson_arrivals(rate, duration_s, seed))])
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all its threads) so far, from /proc/<pid>/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _cpu_by_label(dep) -> dict[str, float]:
-    return {p.label: cpu_seconds(p.popen.pid) for p in dep.processes() if p.popen and p.exit_code() is None}
+    return {p.label: process_cpu_s(p.popen.pid) for p in dep.processes() if p.popen and p.exit_code() is None}
 
 
 def _relayed(dep, what: str = "tokens") -> dict[str, float]:
