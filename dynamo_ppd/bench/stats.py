@@ -62,6 +62,18 @@ def _resampled(values: np.ndarray, index: np.ndarray, counts: np.ndarray) -> np.
     return np.repeat(values, counts[index])
 
 
+def _percentile_interval(statistic: Callable[[np.ndarray], float], n: int, resamples: int,
+                         seed: int) -> tuple[float, float]:
+    """The LEVEL percentile interval of ``statistic(counts)`` over ``resamples`` draws of ``n``
+    conversations with replacement (``counts[i]``: how often conversation i was drawn)."""
+    rng = np.random.default_rng(seed)
+    stats = np.empty(resamples)
+    for b in range(resamples):
+        stats[b] = statistic(np.bincount(rng.integers(0, n, n), minlength=n))
+    low, high = np.nanpercentile(stats, [(1 - LEVEL) / 2 * 100, (1 + LEVEL) / 2 * 100])
+    return float(low), float(high)
+
+
 def bootstrap(samples: Samples, statistic: Callable[[np.ndarray], float] = _median,
               resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
     """The statistic (default: the median) of every value pooled, with its interval from
@@ -70,14 +82,9 @@ def bootstrap(samples: Samples, statistic: Callable[[np.ndarray], float] = _medi
     values, index = _arrays(samples, ids)
     if not values.size:
         return None
-    rng = np.random.default_rng(seed)
-    n = len(ids)
-    stats = np.empty(resamples)
-    for b in range(resamples):
-        counts = np.bincount(rng.integers(0, n, n), minlength=n)
-        stats[b] = statistic(_resampled(values, index, counts))
-    low, high = np.nanpercentile(stats, [(1 - LEVEL) / 2 * 100, (1 + LEVEL) / 2 * 100])
-    return Interval(statistic(values), float(low), float(high), n)
+    low, high = _percentile_interval(
+        lambda counts: statistic(_resampled(values, index, counts)), len(ids), resamples, seed)
+    return Interval(statistic(values), low, high, len(ids))
 
 
 def paired_ratio(a: Samples, b: Samples, statistic: Callable[[np.ndarray], float] = _median,
@@ -89,16 +96,14 @@ def paired_ratio(a: Samples, b: Samples, statistic: Callable[[np.ndarray], float
     vb, ib = _arrays(b, ids)
     if not va.size or not vb.size or not statistic(vb):
         return None
-    rng = np.random.default_rng(seed)
-    n = len(ids)
-    ratios = np.empty(resamples)
-    for r in range(resamples):
-        counts = np.bincount(rng.integers(0, n, n), minlength=n)
+
+    def ratio(counts: np.ndarray) -> float:
         ra, rb = _resampled(va, ia, counts), _resampled(vb, ib, counts)
         denominator = statistic(rb) if rb.size else float("nan")
-        ratios[r] = statistic(ra) / denominator if ra.size and denominator else float("nan")
-    low, high = np.nanpercentile(ratios, [(1 - LEVEL) / 2 * 100, (1 + LEVEL) / 2 * 100])
-    return Interval(statistic(va) / statistic(vb), float(low), float(high), n)
+        return statistic(ra) / denominator if ra.size and denominator else float("nan")
+
+    low, high = _percentile_interval(ratio, len(ids), resamples, seed)
+    return Interval(statistic(va) / statistic(vb), low, high, len(ids))
 
 
 def conversations_needed(current: int, interval: Interval | None,
