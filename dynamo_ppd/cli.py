@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .argtypes import replica_counts
 
 
 def _port(text: str) -> int:
@@ -18,54 +19,6 @@ def _port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port (1-65535)")
     return value
-
-
-def positive_seconds(text: str) -> float:
-    """An argparse type: a positive number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
-    return value
-
-
-def positive_floats(kind: str = "values"):
-    """An argparse type: a comma-separated list of positive numbers (rates, weights)."""
-    def parse(text: str) -> list[float]:
-        try:
-            values = [float(item) for item in text.split(",") if item.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated {kind} like 0.5,1,2") from None
-        if not values or min(values) <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: {kind} must be positive")
-        return values
-
-    return parse
-
-
-def comma_choices(kind: str, choices, separator: str = ", "):
-    """An argparse type: a comma-separated list, each item one of ``choices`` (in order given)."""
-    def parse(text: str) -> list[str]:
-        items = [item.strip() for item in text.split(",") if item.strip()]
-        unknown = [item for item in items if item not in choices]
-        if unknown or not items:
-            raise argparse.ArgumentTypeError(f"unknown {kind} {unknown[0] if unknown else text!r}; "
-                                             f"choose from {separator.join(choices)}")
-        return items
-
-    return parse
-
-
-def _replicas(text: str) -> dict[str, int]:
-    out = {}
-    for item in text.split(","):
-        name, _, count = item.partition("=")
-        if not name or not count.isdigit():
-            raise argparse.ArgumentTypeError(f"{item!r} is not NAME=COUNT (e.g. prefill=2)")
-        out[name.strip()] = int(count)
-    return out
 
 
 def _add_serve(sub) -> None:
@@ -95,7 +48,7 @@ def _add_serve(sub) -> None:
                    help="seconds to wait for the model to be listed on /v1/models")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the graph, check its programs exist, print the commands; start nothing")
-    p.add_argument("--replicas", type=_replicas, default={},
+    p.add_argument("--replicas", type=replica_counts, default={},
                    help="override replica counts, e.g. prefill=2,decode=2 (the 2P2D layout of ppd)")
     p.add_argument("--exit-when-ready", action="store_true",
                    help="stop everything as soon as the graph is ready (a start-up check)")

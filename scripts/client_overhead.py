@@ -20,7 +20,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from dynamo_ppd.bench.client import run_manifest
-from dynamo_ppd.bench.workloads import make_workload
+from dynamo_ppd.workloads.generators import make_workload
 
 FIRST_TOKEN_S, GAP_S = 0.050, 0.010
 

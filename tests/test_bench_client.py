@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from dynamo_ppd.bench.client import run_manifest
-from dynamo_ppd.bench.manifest import Manifest, ManifestConversation, ManifestTurn
 from dynamo_ppd.bench.results import summarize
+from dynamo_ppd.workloads.manifest import Manifest, ManifestConversation, ManifestTurn
 
 FIRST_TOKEN_S = 0.080
 GAP_S = 0.020

@@ -11,8 +11,8 @@ from dynamo_ppd.bench import results as res
 from dynamo_ppd.bench import sizing
 from dynamo_ppd.bench import stats as bs
 from dynamo_ppd.bench.compare import per_rate, speedup_args
-from dynamo_ppd.bench.workloads import make_workload
 from dynamo_ppd.sim.outcome import summarize as summarize_outcome
+from dynamo_ppd.workloads.generators import make_workload
 
 
 def _lognormal(n_conv: int, seed: int, turns: int = 3, scale: float = 0.02) -> dict[str, list[float]]:

@@ -10,8 +10,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from dynamo_ppd.bench import workloads as wl
-from dynamo_ppd.bench.manifest import (
+from dynamo_ppd.sim import conversation as sim
+from dynamo_ppd.workloads import generators as wl
+from dynamo_ppd.workloads.manifest import (
     Manifest,
     ManifestConversation,
     ManifestError,
@@ -25,7 +26,6 @@ from dynamo_ppd.bench.manifest import (
     scale_arrivals,
     to_sim,
 )
-from dynamo_ppd.sim import workload as sim
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,14 @@ import random
 
 import pytest
 
-from dynamo_ppd.bench.manifest import to_sim
-from dynamo_ppd.bench.workloads import make_workload, paper_workload
 from dynamo_ppd.engine import EngineRequest, load_profile
 from dynamo_ppd.engine.cost import CostModel
 from dynamo_ppd.sim import peers
 from dynamo_ppd.sim.cluster import Cluster
 from dynamo_ppd.sim.routing import local_router, pd_router
 from dynamo_ppd.sim.run import simulate
+from dynamo_ppd.workloads.generators import make_workload, paper_workload
+from dynamo_ppd.workloads.manifest import to_sim
 
 PROFILE = load_profile()
 

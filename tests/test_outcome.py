@@ -15,6 +15,7 @@ from dynamo_ppd.bench.results import summarize as summarize_point
 from dynamo_ppd.bench.results import turn_result
 from dynamo_ppd.engine import load_profile
 from dynamo_ppd.sim.cluster import Cluster
+from dynamo_ppd.sim.conversation import Conversation, Turn, synthetic_workload
 from dynamo_ppd.sim.outcome import (
     PAPER_COLUMNS,
     TIMEOUT_LABEL,
@@ -25,7 +26,6 @@ from dynamo_ppd.sim.outcome import (
 )
 from dynamo_ppd.sim.routing import pd_router
 from dynamo_ppd.sim.run import simulate
-from dynamo_ppd.sim.workload import Conversation, Turn, synthetic_workload
 
 PROFILE = load_profile()
 PAPER_CSV = Path(__file__).resolve().parents[2] / "shared" / "paper-data" / "comprehensive.csv"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dynamo_ppd.bench import paper_data as pdata
-from dynamo_ppd.bench.workloads import PAPER_QPS, PAPER_WORKLOADS
+from dynamo_ppd.workloads.generators import PAPER_QPS, PAPER_WORKLOADS
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import json
 import msgspec
 import pytest
 
-from dynamo_ppd.bench.workloads import PAPER_QPS, PAPER_T1, PAPER_T2, paper_arrivals
 from dynamo_ppd.engine import load_profile
 from dynamo_ppd.policy.build import build_sim_table
 from dynamo_ppd.policy.decision import (
@@ -37,7 +36,8 @@ from dynamo_ppd.policy.table import (
     save_table,
     validate,
 )
-from dynamo_ppd.sim import workload as sim
+from dynamo_ppd.sim import conversation as sim
+from dynamo_ppd.workloads.generators import PAPER_QPS, PAPER_T1, PAPER_T2, paper_arrivals
 
 TINY = GridSpec(
     context_classes=[ContextClass("small", 512, 320, (128, 128)),

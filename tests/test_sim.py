@@ -10,6 +10,13 @@ import pytest
 
 from dynamo_ppd.engine import load_profile
 from dynamo_ppd.sim.cluster import Cluster, parse_config
+from dynamo_ppd.sim.conversation import (
+    TEMPLATE_TOKENS,
+    Conversation,
+    ConversationPrompts,
+    Turn,
+    synthetic_workload,
+)
 from dynamo_ppd.sim.routing import (
     Aggregated,
     DecodeLocal,
@@ -22,13 +29,6 @@ from dynamo_ppd.sim.routing import (
     pd_router,
 )
 from dynamo_ppd.sim.run import RequestRecord, SimResult, add_arguments, main, simulate
-from dynamo_ppd.sim.workload import (
-    TEMPLATE_TOKENS,
-    Conversation,
-    ConversationPrompts,
-    Turn,
-    synthetic_workload,
-)
 
 PROFILE = load_profile()
 KV_BYTES = PROFILE.model.kv_bytes_per_token

@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dynamo_ppd.bench.manifest import Manifest, ManifestConversation, ManifestHeader, ManifestTurn
 from dynamo_ppd.chaos.client import play
 from dynamo_ppd.launch.process import ManagedProcess, group_alive, stop_all
 from dynamo_ppd.launch.supervise import Supervisor, backoff_s
+from dynamo_ppd.workloads.manifest import Manifest, ManifestConversation, ManifestHeader, ManifestTurn
 
 
 def sleeper(tmp_path: Path, label: str) -> ManagedProcess:

@@ -13,7 +13,7 @@ from dynamo_ppd.launch import ServeOptions, start
 from dynamo_ppd.launch.process import free_port
 from dynamo_ppd.launch.servers import dynamo_env
 from dynamo_ppd.sim import Cluster, Conversation, Turn, agg_router, simulate
-from dynamo_ppd.sim.workload import ConversationPrompts
+from dynamo_ppd.sim.conversation import ConversationPrompts
 
 # Modeled time runs at a quarter of real speed, so the few milliseconds the request plane and
 # the Python handler add to each request on a busy 2-core machine (which the model does not

@@ -1,8 +1,6 @@
-"""The multi-turn benchmark.
+"""The multi-turn benchmark and the experiments: measuring live deployments and the simulation.
 
-One file format, the manifest (`manifest.py`, described in docs/manifest.md), says what
-conversations arrive when and what each turn sends and asks for; the workload generators
-(`workloads.py`) write manifests for the paper's experiments and for ShareGPT- and WildChat-like
-traffic. The same manifest drives the live benchmark over HTTP and the virtual-clock simulator
-(`manifest.to_sim`), so the two are compared on identical traffic.
+The workloads it plays are manifests (`dynamo_ppd.workloads`, described in docs/manifest.md); the
+same manifest drives the live benchmark over HTTP (`client.py`, `compare.py`) and the
+virtual-clock simulator, so the two are compared on identical traffic.
 """

@@ -31,7 +31,7 @@ import httpx
 import msgspec
 
 from ..sim.outcome import CHAT_TIMEOUT_S
-from .manifest import Manifest, ManifestConversation
+from ..workloads.manifest import Manifest, ManifestConversation
 
 
 class RequestResult(msgspec.Struct, frozen=True):

@@ -39,16 +39,16 @@ from pathlib import Path
 
 import msgspec
 
-from ..cli import comma_choices, positive_floats, positive_seconds
+from ..argtypes import comma_choices, positive_floats, positive_seconds
 from ..launch import ServeOptions, start
 from ..launch.graph import load_graph
 from ..launch.process import free_port
 from ..sim.cluster import parse_config
+from ..workloads.manifest import Manifest, load_manifest, scale_arrivals
 from . import results as res
 from . import sizing
 from .client import RequestResult, run_manifest
 from .cpu import CpuMeter
-from .manifest import Manifest, load_manifest, scale_arrivals
 
 SYSTEMS = ("agg", "pd", "cond-disagg", "local", "ppd")
 
@@ -84,7 +84,7 @@ def manifests(workload: str | None, manifest_path: Path | None, rates: list[floa
     if manifest_path is not None:
         base = load_manifest(manifest_path)
         return manifest_path.stem, [(rate, scale_arrivals(base, rate)) for rate in rates]
-    from .workloads import make_workload
+    from ..workloads.generators import make_workload
 
     name = workload or "wildchat"
     return name, [(rate, make_workload(name, rate, duration_s, seed)) for rate in rates]
@@ -167,7 +167,7 @@ def _base_manifests(workload: str | None, manifest_path: Path | None, rates: lis
     if manifest_path is not None:
         base = load_manifest(manifest_path)
         return manifest_path.stem, [scale_arrivals(base, rate) for rate in rates]
-    from .workloads import make_workload
+    from ..workloads.generators import make_workload
 
     name = workload or "wildchat"
     out = []
@@ -339,8 +339,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .manifest import ManifestError
-    from .workloads import UnknownWorkload
+    from ..workloads.generators import UnknownWorkload
+    from ..workloads.manifest import ManifestError
 
     try:
         if args.bench_command == "versus":

@@ -1,6 +1,6 @@
 """`dynamo-ppd sim paper`: the paper authors' benchmark on the simulated cluster, point for point.
 
-Every (workload, QPS) point of their protocol (`dynamo_ppd.bench.workloads`: the 18 workloads,
+Every (workload, QPS) point of their protocol (`dynamo_ppd.workloads.generators`: the 18 workloads,
 2 turns, arrivals over 10 s, 120 s request timeout, a 50-connection client, a point abandoned
 after 600 s) runs on one of the paper's configurations (``1P_3D``, ``1P_2D_1pD``, ``4R``,
 ``1R_1P_2D`` ...: `dynamo_ppd.sim.routing.parse_paper_config`), placed as the authors' proxy
@@ -26,15 +26,21 @@ from pathlib import Path
 
 import msgspec
 
-from ..cli import comma_choices, positive_floats
+from ..argtypes import comma_choices, positive_floats
 from ..engine.profile import EngineProfile, ProfileError, TransferConstants, link_preset, load_profile
 from ..policy.build import Progress  # the one progress bar (shared with table builds)
 from ..sim import Cluster, Conversation, simulate
 from ..sim.outcome import PAPER_TIMEOUT_S, paper_columns
 from ..sim.routing import Router, paper_proxy_router, parse_paper_config
 from ..sim.run import SimResult
+from ..workloads.generators import (
+    PAPER_KILL_AFTER_S,
+    PAPER_MAX_CONNECTIONS,
+    PAPER_QPS,
+    PAPER_WORKLOADS,
+    paper_workload,
+)
 from .paper_data import COLUMNS, PaperPoint, point_from_columns
-from .workloads import PAPER_KILL_AFTER_S, PAPER_MAX_CONNECTIONS, PAPER_QPS, PAPER_WORKLOADS, paper_workload
 
 PAPER_PROFILE = "h100-llama3.1-8b-vllm-paper"
 

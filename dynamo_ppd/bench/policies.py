@@ -39,7 +39,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..cli import comma_choices, positive_floats
+from ..argtypes import comma_choices, positive_floats
 from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, link_preset, load_profile
 from ..policy.build import Progress
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
@@ -56,9 +56,9 @@ from ..sim.routing import (
     parse_paper_config,
     pd_router,
 )
-from .manifest import to_sim
+from ..workloads.generators import PAPER_QPS, PAPER_WORKLOADS, make_workload, paper_workload
+from ..workloads.manifest import to_sim
 from .paper import simulate_point
-from .workloads import PAPER_QPS, PAPER_WORKLOADS, make_workload, paper_workload
 
 CONFIGS = ("1P3D", "2P2D", "3P1D")
 LINKS = ("intra-node", "cross-node")

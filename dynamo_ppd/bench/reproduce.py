@@ -28,7 +28,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..cli import positive_floats
+from ..argtypes import positive_floats
 from ..engine.profile import EngineProfile, ProfileError, load_profile
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
@@ -36,9 +36,9 @@ from ..policy.table import Weights, bundled_table, load_table, reweight
 from ..sim.cluster import parse_config
 from ..sim.outcome import paper_columns
 from ..sim.routing import Router, paper_proxy_router, parse_paper_config
+from ..workloads.generators import PAPER_WORKLOADS
 from . import paper_data as pdata
 from .paper import PAPER_PROFILE, run_protocol
-from .workloads import PAPER_WORKLOADS
 
 CONFIGS = ("1P3D", "2P2D", "3P1D")
 # The measured x=0 / x=1 twins of our configurations (2P_2D and its twins are kept back).

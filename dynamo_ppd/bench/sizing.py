@@ -27,8 +27,8 @@ from ..engine.profile import DEFAULT_PROFILE, load_profile
 from ..sim.cluster import Cluster
 from ..sim.outcome import CHAT_TIMEOUT_S, Outcome, TurnResult, summarize
 from ..sim.run import simulate
+from ..workloads.manifest import Manifest, to_sim
 from . import stats as bs
-from .manifest import Manifest, to_sim
 from .results import Sample, by_conversation
 
 SIM_POLICY = {"pd": "x0", "cond-disagg": "dynamo-isl-or-load-ours", "ppd": "ppd@1", "local": "x1",

@@ -27,13 +27,13 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..cli import _replicas, comma_choices
+    from ..argtypes import comma_choices, replica_counts
 
     parser.add_argument("--faults", type=comma_choices("fault", FAULTS, separator=","),
                         default=list(FAULTS),
                         help=f"comma-separated, from {','.join(FAULTS)}; one fresh graph each")
     parser.add_argument("--graph", default="ppd", help="graph name or YAML path (as for serve)")
-    parser.add_argument("--replicas", type=_replicas, default={},
+    parser.add_argument("--replicas", type=replica_counts, default={},
                         help="replica counts over each fault's layout (default layouts: "
                         + "; ".join(f"{k}: {v or 'graph'}" for k, v in FAULT_REPLICAS.items()) + ")")
     parser.add_argument("--qps", type=float, default=2.0, help="conversation arrival rate (conv/s)")
@@ -117,7 +117,7 @@ def reanalyze(args: argparse.Namespace) -> ChaosReport:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..bench.workloads import UnknownWorkload, make_workload
+    from ..workloads.generators import UnknownWorkload, make_workload
 
     if args.reanalyze:
         try:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import httpx
 
 from ..bench.client import TokenText
-from ..bench.manifest import Manifest, ManifestConversation
+from ..workloads.manifest import Manifest, ManifestConversation
 from .report import TurnRecord
 
 TIMEOUT_S = 60.0  # per request; a fault may stall a turn, but one this long counts as failed

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import msgspec
 
-from ..bench.manifest import Manifest
 from ..launch import Deployment, ServeOptions, start
 from ..launch.process import free_port
+from ..workloads.manifest import Manifest
 from .client import play
 from .report import Fault, FaultResult, TurnRecord, analyze, counter_delta
 

@@ -33,7 +33,7 @@ from typing import Annotated
 
 import msgspec
 
-from ..bench.workloads import PAPER_QPS, PAPER_T1, PAPER_T2, PAPER_TURNS
+from ..workloads.generators import PAPER_QPS, PAPER_T1, PAPER_T2, PAPER_TURNS
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 

@@ -8,16 +8,16 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..bench.workloads import PAPER_KILL_AFTER_S, PAPER_REQUEST_TIMEOUT_S, PAPER_TURNS, paper_arrivals
 from ..engine.profile import EngineProfile
 from ..engine.scheduler import LoadSnapshot
 from ..sim import Cluster, Conversation, DecodeLocal, ViaPrefill, simulate
 from ..sim import RequestFeatures as SimFeatures
 from ..sim.cluster import ClusterView
+from ..sim.conversation import TEMPLATE_TOKENS, Turn
 from ..sim.outcome import CHAT_TIMEOUT_S
 from ..sim.routing import least_loaded_prefill, local_router, pd_router
 from ..sim.run import SimResult
-from ..sim.workload import TEMPLATE_TOKENS, Turn
+from ..workloads.generators import PAPER_KILL_AFTER_S, PAPER_REQUEST_TIMEOUT_S, PAPER_TURNS, paper_arrivals
 from .decision import Decision, Policy, Route, WorkerLoad
 from .grid import ContextClass, WorkloadClass
 from .placement import ClusterState, Placement, Routed, TurnRequest, place
@@ -149,7 +149,7 @@ def summarize(result: SimResult, duration_s: float, samples: list[Conditions]) -
 
 def cell_workload(context: ContextClass, workload: WorkloadClass, qps: float, duration_s: float,
                   seed: int) -> list[Conversation]:
-    """A cell's conversations, in the paper's protocol (`dynamo_ppd.bench.workloads`): two turns,
+    """A cell's conversations, in the paper's protocol (`dynamo_ppd.workloads.generators`): two turns,
     turn 2 sent as turn 1 ends, arrivals drawn as the authors draw them (`paper_arrivals`) over a
     ``duration_s`` window. Turn 1 is the context class's paper T1 (``first_turn``; without one,
     sized so that turn 2's prompt is ``representative_tokens``), turn 2 the workload class.

@@ -38,9 +38,9 @@ import msgspec
 from ..bench.client import run_manifest
 from ..bench.compare import ppd_graph_with_mode
 from ..bench.cpu import process_cpu_s
-from ..bench.manifest import Manifest, ManifestConversation, ManifestHeader, ManifestTurn
 from ..launch import ServeOptions, start
 from ..launch.process import free_port
+from ..workloads.manifest import Manifest, ManifestConversation, ManifestHeader, ManifestTurn
 
 WORKLOAD = "syn-a-in32-out512"
 FIRST_TURN = (512, 128)  # (user tokens, max tokens)
@@ -51,7 +51,7 @@ RELAY_LABEL = {"ppd": "router", "relay": "router", "pd": None}  # the relay proc
 
 def syn_a_manifest(rate: float, duration_s: float, seed: int = 0) -> Manifest:
     """``syn-a-in32-out512`` at ``rate`` conv/s: Poisson arrivals, 2 turns, no think time."""
-    from ..bench.workloads import poisson_arrivals
+    from ..workloads.generators import poisson_arrivals
 
     turns = [ManifestTurn(FIRST_TURN[1], user_tokens=FIRST_TURN[0]),
              ManifestTurn(FOLLOW_UP[1], user_tokens=FOLLOW_UP[0])]

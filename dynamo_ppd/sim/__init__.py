@@ -1,13 +1,14 @@
 """Virtual-clock simulation: the engine model of `dynamo_ppd.engine` driven by a discrete-event
 loop instead of a wall clock (cluster runs, interference micro-benchmark).
 
-Cluster runs, laid out as Vidur's simulator: `workload` generates conversations (kept apart from
+Cluster runs, laid out as Vidur's simulator: `conversation` generates conversations (kept apart from
 the cluster), `cluster` holds the workers, their KV links and the event loop, `routing` has what
 a router sees and decides, and `run` drives conversations through a cluster and summarizes them
 (and is the `dynamo-ppd sim run` command).
 """
 
 from .cluster import Cluster, ClusterView, parse_config
+from .conversation import Conversation, Turn, synthetic_workload
 from .routing import (
     Aggregated,
     DecodeLocal,
@@ -23,7 +24,6 @@ from .routing import (
     pd_router,
 )
 from .run import RequestRecord, SimResult, simulate
-from .workload import Conversation, Turn, synthetic_workload
 
 __all__ = ["Aggregated", "Cluster", "ClusterView", "Conversation", "DecodeLocal", "RequestFeatures",
            "RequestRecord", "Route", "Router", "RoutingError", "SimResult", "Turn", "ViaPrefill",

@@ -65,6 +65,7 @@ from typing import Literal
 
 import msgspec
 
+from ..argtypes import positive_int
 from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, load_profile
 from ..engine.scheduler import Engine, EngineRequest, TokenOutput
 from . import interference_paper as paper
@@ -318,13 +319,6 @@ def plot(points: Sequence[InterferencePoint], path: Path, title: str, context_ba
     plt.close(fig)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", choices=PROTOCOLS, default="paper",
                         help="paper: one decode batch sent together with 0/1/2/4 prefills, as the "
@@ -338,9 +332,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write a figure (paper: TPOT vs decode batch beside the measured points, per "
                              "prefill count, and the append-length panel; closed-loop: slowdown vs decode "
                              "batch for k=1 and k=4, vs context)")
-    parser.add_argument("--decode-context", type=_positive, default=BATCH_SWEEP_CONTEXT,
+    parser.add_argument("--decode-context", type=positive_int, default=BATCH_SWEEP_CONTEXT,
                         help="closed-loop only: prompt tokens of each decoding request")
-    parser.add_argument("--context-batch", type=_positive, default=64,
+    parser.add_argument("--context-batch", type=positive_int, default=64,
                         help="closed-loop only: decode batch of the context sweep (2K..64K)")
     parser.add_argument("--quick", action="store_true",
                         help=f"reduced sweep: paper batches {paper.QUICK_BATCHES} with "

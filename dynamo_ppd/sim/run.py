@@ -24,11 +24,12 @@ from pathlib import Path
 
 import msgspec
 
+from ..argtypes import positive_seconds
 from ..engine import DEFAULT_PROFILE, ProfileError, load_profile
 from .cluster import Cluster, ClusterRequest
+from .conversation import Conversation, ConversationPrompts, synthetic_workload
 from .outcome import Outcome, TurnResult, summarize
 from .routing import ROUTER_NAMES, RequestFeatures, Router, RoutingError, ViaPrefill, make_router, route_name
-from .workload import Conversation, ConversationPrompts, synthetic_workload
 
 
 class RequestRecord(msgspec.Struct, frozen=True):
@@ -289,16 +290,6 @@ def _token_pair(text: str) -> tuple[int, int]:
     return n_in, n_out
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `dynamo-ppd sim run`."""
     parser.add_argument("--profile", default=DEFAULT_PROFILE,
@@ -325,7 +316,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-bandwidth", type=float, metavar="GB/S",
                         help="KV transfer bandwidth of each prefill worker's link in GB/s (1e9 "
                         "bytes/s); default: the profile's")
-    parser.add_argument("--timeout", type=_positive, metavar="SECONDS",
+    parser.add_argument("--timeout", type=positive_seconds, metavar="SECONDS",
                         help="a turn not answered within this many seconds of being sent fails and its "
                         "conversation sends no further turn (the paper's protocol: 120, the chat "
                         "workloads: 30); default: never give up")

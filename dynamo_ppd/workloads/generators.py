@@ -26,7 +26,9 @@ from statistics import NormalDist
 
 import msgspec
 
-from dynamo_ppd.bench.manifest import (
+from dynamo_ppd.sim import conversation as sim
+from dynamo_ppd.sim.outcome import PAPER_TIMEOUT_S  # the one definition of the paper's timeout
+from dynamo_ppd.workloads.manifest import (
     Manifest,
     ManifestConversation,
     ManifestError,
@@ -36,8 +38,6 @@ from dynamo_ppd.bench.manifest import (
     TokenCounter,
     to_sim,
 )
-from dynamo_ppd.sim import workload as sim
-from dynamo_ppd.sim.outcome import PAPER_TIMEOUT_S  # the one definition of the paper's timeout
 
 _Z = NormalDist()
 TurnPlan = Callable[[random.Random], list[ManifestTurn]]

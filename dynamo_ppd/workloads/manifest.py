@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from dynamo_ppd.sim import workload as sim
+from dynamo_ppd.sim import conversation as sim
 
 MANIFEST_MAGIC = "dynamo-ppd"
 MANIFEST_VERSION = 2  # 2 added the header's `protocol`; version 1 files (no protocol) still load
@@ -261,7 +261,7 @@ def to_sim(manifest: Manifest, count_tokens: TokenCounter | None = None) -> list
 
 def from_sim(conversations: Iterable[sim.Conversation], header: ManifestHeader | None = None) -> Manifest:
     """A manifest of the simulator's conversations (token-count turns), e.g. from
-    `sim.workload.synthetic_workload`."""
+    `sim.conversation.synthetic_workload`."""
     return Manifest(header, [
         ManifestConversation(c.conversation_id, c.arrival_s,
                              [ManifestTurn(t.max_tokens, user_tokens=t.user_tokens,

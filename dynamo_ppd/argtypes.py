@@ -1,0 +1,63 @@
+"""argparse types shared by the command lines (`dynamo_ppd.cli`) and the experiment shells in
+`dynamo_ppd.bench`. A bottom module: it imports nothing of the package, so any layer may use it."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def positive_floats(kind: str = "values"):
+    """An argparse type: a comma-separated list of positive numbers (rates, weights)."""
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(item) for item in text.split(",") if item.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated {kind} like 0.5,1,2") from None
+        if not values or min(values) <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: {kind} must be positive")
+        return values
+
+    return parse
+
+
+def comma_choices(kind: str, choices, separator: str = ", "):
+    """An argparse type: a comma-separated list, each item one of ``choices`` (in order given)."""
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        unknown = [item for item in items if item not in choices]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"unknown {kind} {unknown[0] if unknown else text!r}; "
+                                             f"choose from {separator.join(choices)}")
+        return items
+
+    return parse
+
+
+def replica_counts(text: str) -> dict[str, int]:
+    """An argparse type: replica counts per component, NAME=COUNT,... (e.g. prefill=2,decode=2)."""
+    out = {}
+    for item in text.split(","):
+        name, _, count = item.partition("=")
+        if not name or not count.isdigit():
+            raise argparse.ArgumentTypeError(f"{item!r} is not NAME=COUNT (e.g. prefill=2)")
+        out[name.strip()] = int(count)
+    return out
