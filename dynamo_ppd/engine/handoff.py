@@ -7,6 +7,10 @@ into ``prefill_result.disaggregated_params`` of the decode request. TensorRT-LLM
 ids are ints: TensorRT-LLM's executor request ids, and dynamo.trtllm 1.6.1's prefill handler always
 sets ``disagg_request_id``), and put our transfer handle, a `TransferHandle`, base64-encoded
 msgpack, in ``opaque_state`` where TensorRT-LLM keeps its cache-transceiver state.
+
+The handoff itself, as both the live worker (`dynamo_ppd.worker`) and the simulated cluster
+(`dynamo_ppd.sim.cluster`) run it: `prefill_leg` on P, `ship_prompt_kv` on P's link when P's
+token is out, `decode_leg` on D, which emits P's token once the KV has landed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import hashlib
 from typing import Any
 
 import msgspec
+
+from .cost import TransferLink
+from .scheduler import EngineRequest, RequestKind
 
 BYPASS_REMOTE_PREFILL_ANNOTATION = "x-bypass-remote-prefill"  # dynamo.trtllm's constant
 DECODE_NEEDS_PARAMS_ERROR = "Disaggregated params are required for decode mode"  # TRT-LLM's text
@@ -64,3 +71,25 @@ def unpack_params(params: dict[str, Any]) -> tuple[TransferHandle, int]:
     except (KeyError, IndexError, TypeError, ValueError, msgspec.DecodeError) as exc:
         raise HandoffError(f"malformed disaggregated_params from the prefill worker: {exc}") from exc
     return handle, first_token
+
+
+def prefill_leg(request_id: str, prompt: list[int], prompt_hashes: list[int] | None = None) -> EngineRequest:
+    """P's half: the prompt as ``context_only``, one token out (the one it hands to D)."""
+    return EngineRequest(request_id, prompt, 1, RequestKind.CONTEXT_ONLY, prompt_hashes=prompt_hashes)
+
+
+def ship_prompt_kv(link: TransferLink, prompt_tokens: int, kv_bytes_per_token: int,
+                   ready_at: float) -> tuple[int, float, float]:
+    """Queue the KV of the whole prompt on P's link, ready at ``ready_at`` (TensorRT-LLM ships
+    every block, including those the decode worker may already hold): (bytes, start, landed)."""
+    num_bytes = prompt_tokens * kv_bytes_per_token
+    start, landed = link.schedule(num_bytes, ready_at)
+    return num_bytes, start, landed
+
+
+def decode_leg(request_id: str, prompt: list[int], max_tokens: int, first_token: int,
+               kv_ready_at: float, prompt_hashes: list[int] | None = None) -> EngineRequest:
+    """D's half: the prompt as ``generation_only``; P's token is emitted once the KV has landed
+    (``kv_ready_at``), then decoding goes on from it."""
+    return EngineRequest(request_id, prompt, max_tokens, RequestKind.GENERATION_ONLY,
+                         first_token=first_token, kv_ready_at=kv_ready_at, prompt_hashes=prompt_hashes)

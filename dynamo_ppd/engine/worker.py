@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from .. import model as model_dir
-from ..runtime import create_runtime
+from ..runtime import create_runtime, run_component
 from .args import WorkerConfig, parse_args
 from .cost import TransferLink
 from .handoff import (
@@ -31,7 +31,10 @@ from .handoff import (
     DECODE_NEEDS_PARAMS_ERROR,
     HandoffError,
     TransferHandle,
+    decode_leg,
     pack_params,
+    prefill_leg,
+    ship_prompt_kv,
     unpack_params,
 )
 from .kv_cache import KvEvent, KvStored
@@ -64,14 +67,13 @@ class SimulatedTrtllmHandler:
         prefill_result = request.get("prefill_result") or None
         mode = self.config.mode
         if mode == "prefill":
-            return EngineRequest(request_id, token_ids, 1, RequestKind.CONTEXT_ONLY), None
+            return prefill_leg(request_id, token_ids), None
         if mode == "decode" and prefill_result and prefill_result.get("disaggregated_params"):
             handle, first_token = unpack_params(prefill_result["disaggregated_params"])
             if handle.prompt_tokens != len(token_ids):
                 raise HandoffError(f"prefill result covers {handle.prompt_tokens} tokens, "
                                    f"the request has {len(token_ids)}")
-            return (EngineRequest(request_id, token_ids, max_tokens, RequestKind.GENERATION_ONLY,
-                                  first_token=first_token, kv_ready_at=handle.kv_ready_at),
+            return (decode_leg(request_id, token_ids, max_tokens, first_token, handle.kv_ready_at),
                     prefill_result.get("prompt_tokens_details"))
         if mode == "decode" and BYPASS_REMOTE_PREFILL_ANNOTATION not in annotations:
             raise ValueError(DECODE_NEEDS_PARAMS_ERROR)
@@ -130,10 +132,9 @@ class SimulatedTrtllmHandler:
         yield reply
 
     def _start_transfer(self, request: EngineRequest, ready_at: float, first_token: int) -> dict:
-        """Queue the KV of the whole prompt on this prefill worker's link (TensorRT-LLM ships
-        every block, including those the decode worker may already hold)."""
-        num_bytes = request.prompt_tokens * self.profile.model.kv_bytes_per_token
-        start, finish = self.link.schedule(num_bytes, ready_at)
+        """Queue the prompt's KV on this prefill worker's link; the decode worker's params."""
+        num_bytes, start, finish = ship_prompt_kv(self.link, request.prompt_tokens,
+                                                  self.profile.model.kv_bytes_per_token, ready_at)
         handle = TransferHandle(transfer_id=request.request_id, source_worker=self.instance_id,
                                 prompt_tokens=request.prompt_tokens, num_bytes=num_bytes,
                                 kv_ready_at=finish, link_queue_s=start - ready_at)
@@ -280,9 +281,4 @@ async def serve(config: WorkerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvloop
-    from dynamo.runtime.logging import configure_dynamo_logging
-
-    configure_dynamo_logging()
-    config = parse_args(argv)
-    uvloop.run(serve(config))
+    run_component(serve, parse_args(argv))

@@ -10,7 +10,7 @@ from ..engine.profile import load_profile
 from ..policy.decision import Decision, Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.qps import SlidingWindowRate
 from ..policy.table import load_table
-from ..runtime import create_runtime
+from ..runtime import create_runtime, run_component
 from .args import RouterConfig, parse_args
 from .limits import WorkerCards, read_context_window
 from .metrics import RouterMetrics
@@ -96,9 +96,4 @@ async def serve(config: RouterConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvloop
-    from dynamo.runtime.logging import configure_dynamo_logging
-
-    configure_dynamo_logging()
-    config = parse_args(argv)
-    uvloop.run(serve(config))
+    run_component(serve, parse_args(argv))

@@ -43,6 +43,7 @@ from ..engine import (
     TokenOutput,
     TransferLink,
 )
+from ..engine.handoff import decode_leg, prefill_leg, ship_prompt_kv
 from ..engine.profile import TransferConstants
 from .routing import Aggregated, DecodeLocal, Route, RoutingError, ViaPrefill
 
@@ -217,8 +218,7 @@ class Cluster:
         if isinstance(route, ViaPrefill):
             prefill = self._worker(route.prefill, Role.PREFILL, route)
             decode = self._worker(route.decode, Role.DECODE, route)
-            request.prefill = EngineRequest(request.request_id, request.prompt, 1, RequestKind.CONTEXT_ONLY,
-                                            prompt_hashes=request.prompt_hashes)
+            request.prefill = prefill_leg(request.request_id, request.prompt, request.prompt_hashes)
             self._submit(prefill, request.prefill, stack.request_overhead_s)
             decode.inflight += 1  # counted from now: the router has committed to it
         elif isinstance(route, (DecodeLocal, Aggregated)):
@@ -325,13 +325,12 @@ class Cluster:
         D the request with P's token, to be emitted when the KV lands."""
         assert prefill.link is not None and isinstance(request.route, ViaPrefill)
         decode = self.workers[request.route.decode]
-        num_bytes = len(request.prompt) * self.kv_bytes_per_token
         ready_at = out.at + self.stack.handoff_overhead_s
-        _, landed = prefill.link.schedule(num_bytes, ready_at=ready_at)
+        num_bytes, _, landed = ship_prompt_kv(prefill.link, len(request.prompt), self.kv_bytes_per_token,
+                                              ready_at)
         request.transfer_bytes, request.transfer_s = num_bytes, landed - ready_at
-        request.serving = EngineRequest(request.request_id, request.prompt, request.max_tokens,
-                                        RequestKind.GENERATION_ONLY, first_token=out.token_ids[0],
-                                        kv_ready_at=landed, prompt_hashes=request.prompt_hashes)
+        request.serving = decode_leg(request.request_id, request.prompt, request.max_tokens,
+                                     out.token_ids[0], landed, request.prompt_hashes)
         self.touch(decode)
         decode.engine.submit(request.serving, out.at)  # counted in decode.inflight since dispatch
         self._wake(decode, out.at)
