@@ -102,7 +102,7 @@ def _add_engine(sub) -> None:
     esub = p.add_subparsers(dest="engine_command", required=True, metavar="{profiles,calibrate}")
     esub.add_parser("profiles", help="list the bundled engine profiles and what they derive",
                     description="List bundled engine profiles with derived KV capacity and timings.")
-    from .engine import calibrate
+    from .bench import calibrate
 
     calibrate.add_arguments(esub.add_parser(
         "calibrate", help="fit a profile's cost constants to measured iteration timings",
@@ -113,8 +113,8 @@ def _add_sim(sub) -> None:
     p = sub.add_parser("sim", help="virtual-clock simulation of the engine model")
     ssub = p.add_subparsers(dest="sim_command", required=True,
                             metavar="{run,interference,paper,fidelity,compare}")
-    from .bench import fidelity, paper, policies
-    from .sim import interference, run
+    from .bench import fidelity, interference, paper, policies
+    from .sim import run
 
     run.add_arguments(ssub.add_parser(
         "run", help="simulate a multi-turn workload on a P/D cluster with a routing mode",
@@ -234,7 +234,7 @@ def _model(args) -> int:
 
 
 def _engine(args) -> int:
-    from .engine import calibrate
+    from .bench import calibrate
     from .engine.cost import CostModel, PrefillChunk
     from .engine.profile import bundled_profiles, load_profile
 
@@ -273,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "engine":
             return _engine(args)
         if args.command == "sim":
-            from .bench import fidelity, paper, policies
-            from .sim import interference, run
+            from .bench import fidelity, interference, paper, policies
+            from .sim import run
 
             mains = {"run": run.main, "interference": interference.main, "paper": paper.main,
                      "fidelity": fidelity.main, "compare": policies.main}

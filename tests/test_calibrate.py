@@ -13,8 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dynamo_ppd.engine import CostModel, PrefillChunk, load_profile
-from dynamo_ppd.engine.calibrate import (
+from dynamo_ppd.bench.calibrate import (
     CONSTANTS,
     CalibrationError,
     MeasuredChunk,
@@ -25,6 +24,7 @@ from dynamo_ppd.engine.calibrate import (
     decode_measurements,
     main,
 )
+from dynamo_ppd.engine import CostModel, PrefillChunk, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = load_profile("h100-llama3.1-8b")

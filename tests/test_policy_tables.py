@@ -11,8 +11,8 @@ import json
 import msgspec
 import pytest
 
+from dynamo_ppd.bench.table_build import build_sim_table
 from dynamo_ppd.engine import load_profile
-from dynamo_ppd.policy.build import build_sim_table
 from dynamo_ppd.policy.decision import (
     Calibration,
     Mode,
@@ -180,7 +180,7 @@ def test_calibration_follows_observed_outcomes():
 
 
 def test_online_correction_beats_the_pure_table_on_a_hot_decode_worker():
-    from dynamo_ppd.policy.evaluate import MARGIN, compare, weighted
+    from dynamo_ppd.bench.table_evaluate import MARGIN, compare, weighted
 
     table = reweight(load_table(bundled_table("1P3D")), Weights(1, 3))
     results = compare(table, seconds=20, seed=0, scenarios=("hot-decode", "drift"))

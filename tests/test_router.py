@@ -325,8 +325,8 @@ def test_etcd_outage_routing_continues_and_sessions_resync(model_dir, tmp_path):
 
 
 def test_live_table_build_drives_the_router_forced_routes(model_dir, tmp_path):
+    from dynamo_ppd.bench.table_live import build_live_table
     from dynamo_ppd.policy.grid import ContextClass, GridSpec, WorkloadClass
-    from dynamo_ppd.policy.live import build_live_table
     from dynamo_ppd.policy.table import Weights, validate
 
     dep = deploy(tmp_path, model_dir, mode="ppd", decode=2, router_args=("--allow-forced-route",))

@@ -28,7 +28,6 @@ import msgspec
 
 from ..argtypes import comma_choices, positive_floats
 from ..engine.profile import EngineProfile, ProfileError, TransferConstants, link_preset, load_profile
-from ..policy.build import Progress  # the one progress bar (shared with table builds)
 from ..sim import Cluster, Conversation, simulate
 from ..sim.outcome import PAPER_TIMEOUT_S, paper_columns
 from ..sim.routing import Router, paper_proxy_router, parse_paper_config
@@ -41,6 +40,7 @@ from ..workloads.generators import (
     paper_workload,
 )
 from .paper_data import COLUMNS, PaperPoint, point_from_columns
+from .progress import Progress  # the one progress bar (shared with table builds)
 
 PAPER_PROFILE = "h100-llama3.1-8b-vllm-paper"
 

@@ -41,7 +41,6 @@ import msgspec
 
 from ..argtypes import comma_choices, positive_floats
 from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, link_preset, load_profile
-from ..policy.build import Progress
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
 from ..policy.table import Weights, bundled_table, load_table, reweight
@@ -59,6 +58,7 @@ from ..sim.routing import (
 from ..workloads.generators import PAPER_QPS, PAPER_WORKLOADS, make_workload, paper_workload
 from ..workloads.manifest import to_sim
 from .paper import simulate_point
+from .progress import Progress
 
 CONFIGS = ("1P3D", "2P2D", "3P1D")
 LINKS = ("intra-node", "cross-node")

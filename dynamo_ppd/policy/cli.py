@@ -165,7 +165,7 @@ def main(args: argparse.Namespace) -> int:
         if args.table_command == "build":
             return _build(args)
         if args.table_command == "evaluate":
-            from .evaluate import main as evaluate_main
+            from ..bench.table_evaluate import main as evaluate_main
 
             return evaluate_main(load_table(resolve(args.table)), args.seconds, args.seed)
         table = load_table(resolve(args.table))
@@ -190,12 +190,12 @@ def _build(args) -> int:
             print("dynamo-ppd: error: --backend live needs --url of a running deployment "
                   "(dynamo-ppd serve ppd prints it)", file=sys.stderr)
             return 2
-        from .live import build_live_table
+        from ..bench.table_live import build_live_table
 
         table = build_live_table(args.url, args.config, args.weights,
                                  seconds_per_cell=args.seconds_per_cell, seed=args.seed, profile=args.profile)
     else:
-        from .build import build_sim_table
+        from ..bench.table_build import build_sim_table
 
         table = build_sim_table(args.profile, args.config, args.weights,
                                 seconds_per_cell=args.seconds_per_cell, seed=args.seed, jobs=args.jobs)

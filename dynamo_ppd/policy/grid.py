@@ -119,3 +119,11 @@ def default_grid() -> GridSpec:
                          ContextClass("huge", None, 8192)],  # no paper workload has > 4096 tokens
         workload_classes=workloads,
         qps_levels=[PAPER_TURNS * q for q in PAPER_QPS])
+
+
+def cell_order(grid: GridSpec, key: tuple[str, str, float]) -> tuple[int, int, int]:
+    """Sort key of a cell (context class, workload class, QPS level): the grid's own order, the
+    order a table lists its cells in."""
+    ctx, wl, qps = key
+    return ([c.name for c in grid.context_classes].index(ctx),
+            [w.name for w in grid.workload_classes].index(wl), grid.qps_levels.index(qps))

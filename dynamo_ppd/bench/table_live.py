@@ -19,12 +19,12 @@ import time
 
 import httpx
 
-from ..bench.client import TokenText, chat_stream
 from ..engine.profile import DEFAULT_PROFILE
+from ..policy.grid import GridSpec, cell_order, default_grid
+from ..policy.table import TABLE_FORMAT_VERSION, BuildInfo, Cell, Measurement, PpdTable, Weights, decide
 from ..sim.outcome import CHAT_TIMEOUT_S as TIMEOUT_S
-from .build import Progress, _order
-from .grid import GridSpec, default_grid
-from .table import TABLE_FORMAT_VERSION, BuildInfo, Cell, Measurement, PpdTable, Weights, decide
+from .client import TokenText, chat_stream
+from .progress import Progress
 
 FORCE = "x-ppd-route:"
 
@@ -108,7 +108,7 @@ def build_live_table(url: str, config: str, weights: Weights, grid: GridSpec | N
                                   decode_local=x1, score=s, decision=decision))
                 if bar:
                     bar.step()
-    cells.sort(key=lambda c: _order(grid, (c.context_class, c.workload_class, c.qps)))
+    cells.sort(key=lambda c: cell_order(grid, (c.context_class, c.workload_class, c.qps)))
     return PpdTable(format_version=TABLE_FORMAT_VERSION, profile=profile, config=config.upper(),
                     weights=weights, grid=grid, cells=cells,
                     build=BuildInfo(backend="live", seed=seed, seconds_per_cell=seconds_per_cell,

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 from ..engine.profile import load_profile
 from ..engine.scheduler import EngineRequest
+from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
+from ..policy.score import Prediction, score
+from ..policy.simulate import policy_router
+from ..policy.table import PpdTable
 from ..sim import Cluster, Conversation, Turn, simulate
 from ..sim.outcome import CHAT_TIMEOUT_S
 from ..sim.routing import local_router, pd_router
-from .decision import Mode, Policy, PolicyConfig, ProfilePredictor
-from .score import Prediction, score
-from .simulate import policy_router
-from .table import PpdTable
 
 MARGIN = 0.05  # the stated margin: online never worse than the better static route by more than this
 

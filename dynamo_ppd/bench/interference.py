@@ -406,7 +406,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.sim.interference", description=__doc__,
+    _parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.bench.interference", description=__doc__,
                                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

@@ -1,7 +1,7 @@
 """Building a PPD table: the paper's phase 1, every grid cell measured at x=0 and x=1.
 
 ``--backend sim`` runs each cell on the virtual-clock simulation (fresh cluster per cell and
-route, seeded), cells in parallel processes; ``--backend live`` (see `live`) drives a running
+route, seeded), cells in parallel processes; ``--backend live`` (see `table_live`) drives a running
 deployment through the router's forced routes. Either way the table records the rate actually
 reached in each cell next to the rate asked for.
 """
@@ -9,14 +9,14 @@ reached in each cell next to the rate asked for.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from ..engine.profile import EngineProfile, load_profile
-from .grid import GridSpec, default_grid
-from .simulate import measure_cell
-from .table import TABLE_FORMAT_VERSION, BuildInfo, Cell, Measurement, PpdTable, Weights, decide
+from ..policy.grid import GridSpec, cell_order, default_grid
+from ..policy.simulate import measure_cell
+from ..policy.table import TABLE_FORMAT_VERSION, BuildInfo, Cell, Measurement, PpdTable, Weights, decide
+from .progress import Progress
 
 
 def _measure(args: tuple) -> tuple[tuple[str, str, float], Measurement, Measurement]:
@@ -24,31 +24,6 @@ def _measure(args: tuple) -> tuple[tuple[str, str, float], Measurement, Measurem
     profile = load_profile(profile_name)
     x0, x1 = measure_cell(profile, config, ctx, wl, qps, seconds, seed)
     return (ctx.name, wl.name, qps), x0, x1
-
-
-class Progress:
-    """A progress bar on stderr (a line per 10% when not a terminal)."""
-
-    def __init__(self, total: int, label: str):
-        self.total, self.label, self.done, self.start = total, label, 0, time.monotonic()
-        self.tty = sys.stderr.isatty()
-        self._last_decile = -1
-
-    def step(self) -> None:
-        self.done += 1
-        elapsed = time.monotonic() - self.start
-        eta = elapsed / self.done * (self.total - self.done)
-        frac = self.done / self.total
-        if self.tty:
-            bar = "#" * int(frac * 30)
-            sys.stderr.write(f"\r{self.label} [{bar:<30}] {self.done}/{self.total} "
-                             f"{elapsed:5.0f}s elapsed, ~{eta:4.0f}s left")
-            if self.done == self.total:
-                sys.stderr.write("\n")
-        elif int(frac * 10) != self._last_decile:
-            self._last_decile = int(frac * 10)
-            sys.stderr.write(f"{self.label}: {self.done}/{self.total} cells, {elapsed:.0f}s\n")
-        sys.stderr.flush()
 
 
 def build_sim_table(profile_name: str, config: str, weights: Weights, grid: GridSpec | None = None,
@@ -78,7 +53,7 @@ def build_sim_table(profile_name: str, config: str, weights: Weights, grid: Grid
                 if bar:
                     bar.step()
     cells = []
-    for (ctx, wl, qps), (x0, x1) in sorted(results.items(), key=lambda kv: _order(grid, kv[0])):
+    for (ctx, wl, qps), (x0, x1) in sorted(results.items(), key=lambda kv: cell_order(grid, kv[0])):
         s, decision = decide(x0, x1, weights)
         cells.append(Cell(context_class=ctx, workload_class=wl, qps=qps, via_prefill=x0, decode_local=x1,
                           score=s, decision=decision))
@@ -89,8 +64,3 @@ def build_sim_table(profile_name: str, config: str, weights: Weights, grid: Grid
                         build_seconds=round(time.monotonic() - started, 1), created_unix=time.time(),
                         target=f"virtual-clock simulation, {config.upper()}, profile {profile.name}"))
 
-
-def _order(grid: GridSpec, key: tuple[str, str, float]) -> tuple[int, int, int]:
-    ctx, wl, qps = key
-    return ([c.name for c in grid.context_classes].index(ctx),
-            [w.name for w in grid.workload_classes].index(wl), grid.qps_levels.index(qps))

@@ -31,8 +31,8 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from .cost import CostModel, PrefillChunk
-from .profile import EngineProfile, ProfileError, dump_profile, load_profile
+from ..engine.cost import CostModel, PrefillChunk
+from ..engine.profile import EngineProfile, ProfileError, dump_profile, load_profile
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 CONSTANTS = ("iteration_overhead_s", "memory_bandwidth_efficiency", "gemm_flops_efficiency",
@@ -324,7 +324,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.engine.calibrate", description=__doc__,
+    _parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.bench.calibrate", description=__doc__,
                                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))
