@@ -27,12 +27,12 @@ components:
     command: ["{python}", "-m", "dynamo.frontend", "--http-port", "{http_port}", "--router-mode", "kv"]
     ready: {http: "http://127.0.0.1:{http_port}/health"}
   - name: prefill
-    command: ["{python}", "-m", "dynamo_ppd.engine", "--model-path", "{model_dir}",
+    command: ["{python}", "-m", "dynamo_ppd.worker", "--model-path", "{model_dir}",
               "--disaggregation-mode", "prefill"]
     env: {DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS: '["generate"]'}
     ready: {http: "http://127.0.0.1:{system_port}/health"}
   - name: decode
-    command: ["{python}", "-m", "dynamo_ppd.engine", "--model-path", "{model_dir}",
+    command: ["{python}", "-m", "dynamo_ppd.worker", "--model-path", "{model_dir}",
               "--disaggregation-mode", "decode", "--kv-capacity-blocks", "D_CAPACITY_BLOCKS"]
     env: {DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS: '["generate"]'}
     ready: {http: "http://127.0.0.1:{system_port}/health"}
@@ -222,5 +222,5 @@ def test_graph_files_run_the_simulated_worker():
     repo = Path(__file__).resolve().parent.parent
     for name in ("pd", "agg", "cond-disagg"):
         text = (repo / "graphs" / f"{name}.yaml").read_text()
-        assert "dynamo_ppd.engine" in text and "dynamo.mocker" not in text
+        assert "dynamo_ppd.worker" in text and "dynamo.mocker" not in text
     assert "--router-conditional-disagg" in (repo / "graphs" / "cond-disagg.yaml").read_text()

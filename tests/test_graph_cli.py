@@ -108,8 +108,8 @@ def test_cli_bad_port_value():
     assert result.returncode == 2 and "99999 is not a port" in result.stderr
 
 
-@pytest.mark.parametrize(("graph", "worker"), [("pd", "dynamo_ppd.engine"), ("agg", "dynamo_ppd.engine"),
-                                             ("cond-disagg", "dynamo_ppd.engine"),
+@pytest.mark.parametrize(("graph", "worker"), [("pd", "dynamo_ppd.worker"), ("agg", "dynamo_ppd.worker"),
+                                             ("cond-disagg", "dynamo_ppd.worker"),
                                              ("pd-mocker", "dynamo.mocker"), ("agg-mocker", "dynamo.mocker")])
 def test_dry_run_resolves_commands(graph, worker):
     result = cli("serve", graph, "--dry-run")

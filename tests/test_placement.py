@@ -120,7 +120,7 @@ HOT = 12  # other conversations decoding on the session's worker
 
 
 def report_of(load: LoadSnapshot) -> dict:
-    """The forward-pass metrics a live worker in this state publishes (`engine/worker.py`)."""
+    """The forward-pass metrics a live worker in this state publishes (`worker/handler.py`)."""
     return {"scheduled_requests": {"num_decode_requests": load.decode_requests,
                                    "sum_decode_kv_tokens": load.decode_kv_tokens,
                                    "sum_prefill_tokens": load.prefill_tokens_remaining},

@@ -26,13 +26,13 @@ components:
               "--router-mode", "round-robin", "--migration-limit", "3"]
     ready: {http: "http://127.0.0.1:{http_port}/health"}
   - name: prefill
-    command: ["{python}", "-m", "dynamo_ppd.engine", "--model-path", "{model_dir}",
+    command: ["{python}", "-m", "dynamo_ppd.worker", "--model-path", "{model_dir}",
               "--disaggregation-mode", "prefill", "--endpoint", "dyn://workers.prefill.generate"]
     env: {DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS: '["generate"]'}
     ready: {http: "http://127.0.0.1:{system_port}/health"}
   - name: decode
     replicas: 3
-    command: ["{python}", "-m", "dynamo_ppd.engine", "--model-path", "{model_dir}",
+    command: ["{python}", "-m", "dynamo_ppd.worker", "--model-path", "{model_dir}",
               "--disaggregation-mode", "decode", "--endpoint", "dyn://workers.backend.generate" DECODE_ARGS]
     env: {DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS: '["generate"]'}
     ready: {http: "http://127.0.0.1:{system_port}/health"}

@@ -8,7 +8,7 @@ engine is ``dynamo.trtllm.engine.TensorRTLLMEngine`` over the fake ``tensorrt_ll
 `tests/trtllm_stub` (built from our shipped engine YAMLs). The tests check what each handler asks
 of the engine (request type, disaggregated params, sampling params, max tokens, streaming) and what
 comes back to the router; then the same conversations through our simulated worker
-(`dynamo_ppd.engine.worker.SimulatedTrtllmHandler`, in process) must answer in the same shape.
+(`dynamo_ppd.worker.handler.SimulatedTrtllmHandler`, in process) must answer in the same shape.
 
 The stand-in is on ``sys.path`` only while these tests run (module fixture `trtllm`), and its
 modules are dropped again afterwards, so no other test sees the fake torch or TensorRT-LLM.
@@ -27,16 +27,16 @@ from typing import Any
 
 import pytest
 
-from dynamo_ppd.engine.args import parse_args as worker_args
 from dynamo_ppd.engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION, DECODE_NEEDS_PARAMS_ERROR
-from dynamo_ppd.engine.live import WallClockEngine
 from dynamo_ppd.engine.profile import load_profile
 from dynamo_ppd.engine.scheduler import Engine, EngineConfig
-from dynamo_ppd.engine.worker import SimulatedTrtllmHandler
 from dynamo_ppd.router.args import parse_args as router_args
 from dynamo_ppd.router.metrics import RouterMetrics
 from dynamo_ppd.router.router import PpdRouter
 from dynamo_ppd.router.service import build_policy
+from dynamo_ppd.worker.args import parse_args as worker_args
+from dynamo_ppd.worker.handler import SimulatedTrtllmHandler
+from dynamo_ppd.worker.live import WallClockEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 STUB = Path(__file__).resolve().parent / "trtllm_stub"

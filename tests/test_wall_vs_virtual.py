@@ -27,7 +27,7 @@ components:
     command: ["{python}", "-m", "dynamo.frontend", "--http-port", "{http_port}"]
     ready: {http: "http://127.0.0.1:{http_port}/health"}
   - name: worker
-    command: ["{python}", "-m", "dynamo_ppd.engine", "--model-path", "{model_dir}",
+    command: ["{python}", "-m", "dynamo_ppd.worker", "--model-path", "{model_dir}",
               "--disaggregation-mode", "agg", "--speedup", "SPEEDUP"]
     env: {DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS: '["generate"]'}
     ready: {http: "http://127.0.0.1:{system_port}/health"}

@@ -108,7 +108,7 @@ def speedup_args(graph: str, dilation: float) -> dict[str, list[str]]:
     loaded, _ = load_graph(graph)
     flag = ["--speedup", repr(1.0 / dilation)]
     return {c.name: flag for c in loaded.components
-            if any(a in ("dynamo_ppd.engine", "dynamo_ppd.router") for a in c.command)}
+            if any(a in ("dynamo_ppd.worker", "dynamo_ppd.router") for a in c.command)}
 
 
 class _Progress:

@@ -1,5 +1,6 @@
-"""The simulated TensorRT-LLM engine: a pure, clock-free model (profile, cost, KV cache, scheduler)
-and, in `worker`, the Dynamo adapter that runs it on a wall clock."""
+"""The simulated TensorRT-LLM engine: a pure, clock-free model (profile, cost, block hashing, KV
+cache, scheduler, the P->D handoff). `dynamo_ppd.worker` serves it as a Dynamo component on a wall
+clock; `dynamo_ppd.sim` runs it on a virtual clock."""
 
 from .cost import CostModel, PrefillChunk, TransferLink
 from .kv_cache import KvCache, KvEvent, KvRemoved, KvStored

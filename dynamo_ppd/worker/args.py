@@ -1,4 +1,4 @@
-"""Command line of the simulated TensorRT-LLM worker (`python -m dynamo_ppd.engine`). Flags that
+"""Command line of the simulated TensorRT-LLM worker (`python -m dynamo_ppd.worker`). Flags that
 `python -m dynamo.trtllm` has keep its names, so graphs can swap one for the other."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from .profile import DEFAULT_PROFILE, bundled_profiles
+from ..engine.profile import DEFAULT_PROFILE, bundled_profiles
 
 DEFAULT_NAMESPACE = "dynamo"
 
@@ -51,7 +51,7 @@ def _positive(kind):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m dynamo_ppd.engine",
+        prog="python -m dynamo_ppd.worker",
         description="Simulated TensorRT-LLM worker: dynamo.trtllm's request contract and "
         "registration, with timing from an engine model instead of a GPU.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

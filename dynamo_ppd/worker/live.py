@@ -14,8 +14,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from .kv_cache import KvEvent
-from .scheduler import Engine, EngineRequest, Iteration, TokenOutput
+from ..engine.kv_cache import KvEvent
+from ..engine.scheduler import Engine, EngineRequest, Iteration, TokenOutput
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,8 @@ from typing import Any
 import msgspec
 
 from .. import model as model_dir
-from ..runtime import create_runtime, run_component
-from .args import WorkerConfig, parse_args
-from .cost import TransferLink
-from .handoff import (
+from ..engine.cost import TransferLink
+from ..engine.handoff import (
     BYPASS_REMOTE_PREFILL_ANNOTATION,
     DECODE_NEEDS_PARAMS_ERROR,
     HandoffError,
@@ -37,12 +35,14 @@ from .handoff import (
     ship_prompt_kv,
     unpack_params,
 )
-from .kv_cache import KvEvent, KvStored
+from ..engine.kv_cache import KvEvent, KvStored
+from ..engine.profile import EngineProfile, load_profile
+from ..engine.scheduler import Engine, EngineConfig, EngineRequest, Iteration, RequestKind, RequestRejected
+from ..runtime import create_runtime, run_component
+from .args import WorkerConfig, parse_args
 from .live import WallClockEngine
-from .profile import EngineProfile, load_profile
-from .scheduler import Engine, EngineConfig, EngineRequest, Iteration, RequestKind, RequestRejected
 
-log = logging.getLogger("dynamo_ppd.engine")
+log = logging.getLogger("dynamo_ppd.worker")
 
 
 class SimulatedTrtllmHandler:
