@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 
 from ..engine.profile import EngineProfile, ProfileError, load_profile
+from . import plots
 from .paper import add_common_arguments, paper_specs, points_csv, resolve_link, run_points
 from .paper_data import (
     MEASURED_FAMILIES,
@@ -243,10 +244,7 @@ def markdown(report: FidelityReport, command: str) -> str:
 
 def plot(simulated: Sequence[PaperPoint], measured: dict[tuple[str, str, float], PaperPoint],
          path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
     configs = sorted({p.config for p in simulated})
@@ -269,9 +267,7 @@ def plot(simulated: Sequence[PaperPoint], measured: dict[tuple[str, str, float],
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -38,6 +38,7 @@ from ..sim.outcome import paper_columns
 from ..sim.routing import Router, paper_proxy_router, parse_paper_config
 from ..workloads.generators import PAPER_WORKLOADS
 from . import paper_data as pdata
+from . import plots
 from .paper import PAPER_PROFILE, run_protocol
 
 CONFIGS = ("1P3D", "2P2D", "3P1D")
@@ -339,10 +340,7 @@ def _pct(share: float | None) -> str:
 
 def _plot(path: Path, xs, series: dict[str, list[pdata.PaperPoint]], xlabel: str, title: str,
           log_x: bool = False) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, points in series.items():
@@ -356,16 +354,11 @@ def _plot(path: Path, xs, series: dict[str, list[pdata.PaperPoint]], xlabel: str
         if log_x:
             ax.set_xscale("log")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def _plot_fig6(path: Path, implied, policy_rows: list[list[Result]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     ws = [w for w, *_ in implied]
@@ -384,9 +377,7 @@ def _plot_fig6(path: Path, implied, policy_rows: list[list[Result]]) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("Fig. 6: the w_tpot frontier (1P3D)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def _workloads(text: str) -> list[str]:

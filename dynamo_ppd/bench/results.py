@@ -23,6 +23,7 @@ import msgspec
 
 from ..sim.outcome import CHAT_TIMEOUT_S, Outcome, TurnResult
 from ..sim.outcome import summarize as summarize_outcome
+from . import plots
 from . import stats as bs
 from .client import RequestResult
 
@@ -269,10 +270,7 @@ def versus(a: BenchResults, b: BenchResults, label_a: str, label_b: str) -> str:
 def plot(results: BenchResults, out_dir: Path) -> list[Path]:
     """PNGs: P99 turn-2+ TTFT vs throughput (paper Fig. 1/9) and medians vs QPS per system with
     their 95% intervals and the virtual clock's medians (Fig. 4/11), one figure per workload."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     written = []
     for workload in sorted({p.workload for p in results.points}):
@@ -304,9 +302,5 @@ def plot(results: BenchResults, out_dir: Path) -> list[Path]:
             ax.set_title(f"{workload}: {title}")
             ax.grid(alpha=0.3)
             ax.legend()
-        fig.tight_layout()
-        path = out_dir / f"{workload}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(plots.save(fig, out_dir / f"{workload}.png"))
     return written
