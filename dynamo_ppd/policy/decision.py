@@ -71,7 +71,8 @@ class RequestFeatures:
     prefill_load: WorkerLoad
     qps: float = 0.0  # request rate the router sees (sliding window)
     # The least loaded decode worker's load: a turn sent through a prefill worker can move there
-    # (see `rehome_target`), so its via-prefill TPOT is that worker's, not the session's.
+    # (`moves_to_best`, applied by `placement.place`), so its via-prefill TPOT is that worker's,
+    # not the session's.
     best_decode_load: WorkerLoad | None = None
 
     @property

@@ -1,4 +1,5 @@
-"""The decision grid (brief §2): cumulative context class x follow-up workload class x QPS level.
+"""The decision grid: cumulative context class x follow-up workload class x QPS level (README,
+"PPD tables and the decision").
 
 - Context classes by the prompt's total tokens (the conversation so far plus the new input):
   small <= 512 < large <= 4096 < huge. Each is measured on two-turn conversations whose first

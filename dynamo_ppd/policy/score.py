@@ -1,5 +1,6 @@
-"""The paper's score S (brief §2): how much better decode-local (x=1) serves the weighted goal
-than going through a prefill worker (x=0). Positive means decode-local."""
+"""The paper's score S (*Not All Prefills Are Equal*; README, "PPD tables and the decision"): how
+much better decode-local (x=1) serves the weighted goal than going through a prefill worker
+(x=0). Positive means decode-local."""
 
 from __future__ import annotations
 

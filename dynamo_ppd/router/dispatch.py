@@ -2,7 +2,7 @@
 
 - via prefill: the preprocessed request goes to the prefill worker with ``max_tokens = 1``; its
   ``disaggregated_params`` and ``prompt_tokens_details`` become the decode request's
-  ``prefill_result``; the decode worker's stream is the answer (brief §4).
+  ``prefill_result``; the decode worker's stream is the answer.
 - decode-local: the request goes to the decode worker with the ``x-bypass-remote-prefill``
   annotation (Dynamo's conditional-disaggregation contract): an append-prefill there.
 - replica: the request goes unchanged to an aggregated worker.

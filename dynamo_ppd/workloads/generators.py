@@ -224,8 +224,9 @@ def turn_scaling(turns: int, rate_conv_per_s: float, duration_s: float, seed: in
 
 # --- chat data sets' shapes -----------------------------------------------------------------
 
-# ShareGPT turn counts (brief §6); the 11% of 7+ is spread over 7..12 with geometrically falling
-# shares (ratio 0.758) chosen so the mean is the data set's 3.5 turns.
+# ShareGPT turn counts (94k conversations; docs/manifest.md, "ShareGPT-like"); the 11% of 7+ is
+# spread over 7..12 with geometrically falling shares (ratio 0.758) chosen so the mean is the data
+# set's 3.5 turns.
 SHAREGPT_TURN_SHARES = {1: 0.25, 2: 0.18, 3: 0.15, 4: 0.14, 5: 0.10, 6: 0.07,
                         7: 0.033, 8: 0.025, 9: 0.019, 10: 0.014, 11: 0.011, 12: 0.008}
 SHAREGPT_FIRST_USER = TruncatedLogNormal(median=24, p90=432, cap=4096)
