@@ -17,10 +17,9 @@ from collections.abc import Callable
 import httpx
 
 from ..bench.client import TokenText
+from ..sim.outcome import CHAOS_TIMEOUT_S
 from ..workloads.manifest import Manifest, ManifestConversation
 from .report import TurnRecord
-
-TIMEOUT_S = 60.0  # per request; a fault may stall a turn, but one this long counts as failed
 
 
 class _Answer:
@@ -41,7 +40,7 @@ async def chat_turn(client: httpx.AsyncClient, url: str, model: str, messages: l
     answer = _Answer()
     sent = time.monotonic()
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=TIMEOUT_S,
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=CHAOS_TIMEOUT_S,
                                  headers={"x-dynamo-session-id": session}) as response:
             if response.status_code != 200:
                 answer.error = f"HTTP {response.status_code}: {(await response.aread())[:160]!r}"
@@ -76,7 +75,7 @@ def classify(answer: _Answer, max_tokens: int, e2e_s: float) -> tuple[str, int]:
     tokens = int(usage.get("completion_tokens") or answer.chunks)
     if answer.ttft is None:
         return "failed", 0
-    if answer.error or e2e_s > TIMEOUT_S or answer.finish_reason is None or tokens < max_tokens:
+    if answer.error or e2e_s > CHAOS_TIMEOUT_S or answer.finish_reason is None or tokens < max_tokens:
         return "truncated", tokens
     return "ok", tokens
 
@@ -89,7 +88,7 @@ async def play(url: str, manifest: Manifest, t0: float, seed: int = 0,
     url = url.rstrip("/")
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     records: list[TurnRecord] = []
-    async with httpx.AsyncClient(limits=limits, timeout=TIMEOUT_S) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=CHAOS_TIMEOUT_S) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         text = TokenText(seed)
 

@@ -14,10 +14,10 @@ from ..sim import Cluster, Conversation, DecodeLocal, ViaPrefill, simulate
 from ..sim import RequestFeatures as SimFeatures
 from ..sim.cluster import ClusterView
 from ..sim.conversation import TEMPLATE_TOKENS, Turn
-from ..sim.outcome import CHAT_TIMEOUT_S
+from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S
 from ..sim.routing import least_loaded_prefill, local_router, pd_router
 from ..sim.run import SimResult
-from ..workloads.generators import PAPER_KILL_AFTER_S, PAPER_REQUEST_TIMEOUT_S, PAPER_TURNS, paper_arrivals
+from ..workloads.generators import PAPER_KILL_AFTER_S, PAPER_TURNS, paper_arrivals
 from .decision import Decision, Policy, Route, WorkerLoad
 from .grid import ContextClass, WorkloadClass
 from .placement import ClusterState, Placement, Routed, TurnRequest, place
@@ -180,7 +180,7 @@ _REDRAW_STRIDE = 1_000_003  # far from the next seeds a caller might use
 
 def measure_cell(profile: EngineProfile, config: str, context: ContextClass, workload: WorkloadClass,
                  qps: float, duration_s: float, seed: int, link_bandwidth_bytes_s: float | None = None,
-                 timeout_s: float = PAPER_REQUEST_TIMEOUT_S) -> tuple[Measurement, Measurement]:
+                 timeout_s: float = PAPER_TIMEOUT_S) -> tuple[Measurement, Measurement]:
     """(x=0, x=1) measurements of one cell on a fresh simulated cluster each, in the paper's
     protocol: its arrivals (`cell_workload`), a turn not answered within ``timeout_s`` (120 s)
     fails and ends its conversation, and the point is cut at 600 s. Not modelled: the authors'

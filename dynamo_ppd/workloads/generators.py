@@ -137,7 +137,6 @@ PAPER_QPS: tuple[float, ...] = (0.5, 1, 2, 4, 6, 8, 10, 12, 16, 20)
 """The rates of every workload, in conversations per second."""
 PAPER_ARRIVAL_WINDOW_S = 10.0
 PAPER_TURNS = 2
-PAPER_REQUEST_TIMEOUT_S = PAPER_TIMEOUT_S  # per request (aiohttp total: includes waiting for a connection)
 PAPER_KILL_AFTER_S = 600.0  # a point still running this long after its start is abandoned (0% success)
 PAPER_MAX_CONNECTIONS = 50
 """The client's connection pool (``aiohttp.TCPConnector(limit=50)``): at most 50 requests in
@@ -151,7 +150,7 @@ conversations are in flight. This is why the measured turn-1 TTFT reaches ~30 s 
 def paper_protocol(arrival_window_s: float = PAPER_ARRIVAL_WINDOW_S) -> ManifestProtocol:
     """How a paper workload must be run, as its manifest header records it."""
     return ManifestProtocol(arrival="paper-poisson", arrival_window_s=arrival_window_s,
-                            turns=PAPER_TURNS, request_timeout_s=PAPER_REQUEST_TIMEOUT_S,
+                            turns=PAPER_TURNS, request_timeout_s=PAPER_TIMEOUT_S,
                             kill_after_s=PAPER_KILL_AFTER_S, max_connections=PAPER_MAX_CONNECTIONS)
 
 
