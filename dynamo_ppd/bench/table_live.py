@@ -19,14 +19,13 @@ import time
 
 import httpx
 
+from ..engine.handoff import FORCED_ROUTE_ANNOTATION
 from ..engine.profile import DEFAULT_PROFILE
 from ..policy.grid import GridSpec, cell_order, default_grid
 from ..policy.table import TABLE_FORMAT_VERSION, BuildInfo, Cell, Measurement, PpdTable, Weights, decide
-from ..sim.outcome import CHAT_TIMEOUT_S as TIMEOUT_S
+from ..sim.outcome import CHAT_TIMEOUT_S
 from .client import TokenText, chat_stream
 from .progress import Progress
-
-FORCE = "x-ppd-route:"
 
 
 async def _turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,
@@ -34,7 +33,7 @@ async def _turn(client: httpx.AsyncClient, url: str, model: str, messages: list[
     """(TTFT, TPOT, reply) of one streamed turn, or None if it failed."""
     ttft, e2e, gaps, text, error = await chat_stream(client, url, model, messages, max_tokens, session,
                                                      tuple(annotations))
-    if error is not None or ttft is None or e2e is None or e2e > TIMEOUT_S:
+    if error is not None or ttft is None or e2e is None or e2e > CHAT_TIMEOUT_S:
         return None
     return ttft, (sum(gaps) / len(gaps) if gaps else None), text
 
@@ -61,11 +60,11 @@ async def _measure(url: str, model: str, context: int, n_in: int, n_out: int, qp
         if first[1] is not None:
             tpots.append(first[1])
         messages += [{"role": "assistant", "content": first[2]}, {"role": "user", "content": text(n_in)}]
-        second = await _turn(client, url, model, messages, n_out, session, [FORCE + route])
+        second = await _turn(client, url, model, messages, n_out, session, [FORCED_ROUTE_ANNOTATION + route])
         arrivals += 1
         if second is None:
             failures += 1
-            ttfts.append(TIMEOUT_S)
+            ttfts.append(CHAT_TIMEOUT_S)
             return
         ttfts.append(second[0])
         if second[1] is not None:
@@ -79,9 +78,10 @@ async def _measure(url: str, model: str, context: int, n_in: int, n_out: int, qp
     async with httpx.AsyncClient() as client:
         await asyncio.gather(*(conversation(i, s, client) for i, s in enumerate(starts)))
     total = max(1, arrivals)
-    return Measurement(follow_up_ttft_s=max(statistics.fmean(ttfts) if ttfts else TIMEOUT_S, 1e-6),
-                       tpot_s=max(statistics.fmean(tpots) if tpots else TIMEOUT_S, 1e-6), requests=arrivals,
-                       achieved_rps=arrivals / seconds, success_rate=(arrivals - failures) / total)
+    return Measurement(follow_up_ttft_s=max(statistics.fmean(ttfts) if ttfts else CHAT_TIMEOUT_S, 1e-6),
+                       tpot_s=max(statistics.fmean(tpots) if tpots else CHAT_TIMEOUT_S, 1e-6),
+                       requests=arrivals, achieved_rps=arrivals / seconds,
+                       success_rate=(arrivals - failures) / total)
 
 
 def build_live_table(url: str, config: str, weights: Weights, grid: GridSpec | None = None,

@@ -25,6 +25,9 @@ from .cost import TransferLink
 from .scheduler import EngineRequest, RequestKind
 
 BYPASS_REMOTE_PREFILL_ANNOTATION = "x-bypass-remote-prefill"  # dynamo.trtllm's constant
+# Ours: ``x-ppd-route:via_prefill`` or ``x-ppd-route:decode_local`` on a follow-up forces its route
+# (obeyed only by a router started with --allow-forced-route; the live table build sends it).
+FORCED_ROUTE_ANNOTATION = "x-ppd-route:"
 DECODE_NEEDS_PARAMS_ERROR = "Disaggregated params are required for decode mode"  # TRT-LLM's text
 
 
