@@ -194,7 +194,7 @@ def test_online_correction_beats_the_pure_table_on_a_hot_decode_worker():
 
 
 def test_explain_agrees_with_the_router_decision(capsys):
-    from dynamo_ppd.policy import cli as table_cli
+    from dynamo_ppd.cli import table as table_cli
     from dynamo_ppd.router import bench
     from dynamo_ppd.router.residency import prefix_chain
 

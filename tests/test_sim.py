@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from dynamo_ppd.cli.sim import add_arguments, main
 from dynamo_ppd.engine import load_profile
 from dynamo_ppd.sim.cluster import Cluster, parse_config
 from dynamo_ppd.sim.conversation import (
@@ -28,7 +29,7 @@ from dynamo_ppd.sim.routing import (
     local_router,
     pd_router,
 )
-from dynamo_ppd.sim.run import RequestRecord, SimResult, add_arguments, main, simulate
+from dynamo_ppd.sim.run import RequestRecord, SimResult, simulate
 
 PROFILE = load_profile()
 KV_BYTES = PROFILE.model.kv_bytes_per_token

@@ -1,10 +1,11 @@
 """Virtual-clock simulation: the engine model of `dynamo_ppd.engine` driven by a discrete-event
-loop instead of a wall clock (cluster runs, interference micro-benchmark).
+loop instead of a wall clock.
 
 Cluster runs, laid out as Vidur's simulator: `conversation` generates conversations (kept apart from
 the cluster), `cluster` holds the workers, their KV links and the event loop, `routing` has what
-a router sees and decides, and `run` drives conversations through a cluster and summarizes them
-(and is the `dynamo-ppd sim run` command).
+a router sees and decides (`peers`: the peers' P/D policies), `run` drives conversations through a
+cluster and `outcome` summarizes them. Pure: no I/O; the `dynamo-ppd sim run` command line is
+`dynamo_ppd.cli.sim`, the interference micro-benchmark `dynamo_ppd.bench.interference`.
 """
 
 from .cluster import Cluster, ClusterView, parse_config

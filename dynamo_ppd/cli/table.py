@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..engine.profile import DEFAULT_PROFILE
-from .table import (
+from ..policy.table import (
     PpdTable,
     TableError,
     Weights,
@@ -123,7 +123,7 @@ def explain(table: PpdTable, args) -> str:
     import dataclasses
 
     from ..engine.profile import load_profile
-    from .decision import Mode, Policy, PolicyConfig, ProfilePredictor, RequestFeatures, WorkerLoad
+    from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor, RequestFeatures, WorkerLoad
 
     weights = args.weights or table.weights
     policy = Policy(PolicyConfig(mode=Mode.PPD, w_ttft=weights.w_ttft, w_tpot=weights.w_tpot),

@@ -1,5 +1,9 @@
 """`dynamo-ppd` command line. Each subcommand is a thin shell over a module; errors the user can
-fix exit with code 2 and one line saying what is wrong and how to fix it."""
+fix exit with code 2 and one line saying what is wrong and how to fix it.
+
+The top layer of the package: the shells of `sim run` (`sim`), `table` (`table`) and `chaos`
+(`chaos`) sit beside this module; the experiments of `dynamo_ppd.bench` keep their own
+`add_arguments`/`main` pair, which `sim`, `bench` and `engine calibrate` call."""
 
 from __future__ import annotations
 
@@ -7,8 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import __version__
-from .argtypes import replica_counts
+from .. import __version__
+from ..argtypes import replica_counts
 
 
 def _port(text: str) -> int:
@@ -102,7 +106,7 @@ def _add_engine(sub) -> None:
     esub = p.add_subparsers(dest="engine_command", required=True, metavar="{profiles,calibrate}")
     esub.add_parser("profiles", help="list the bundled engine profiles and what they derive",
                     description="List bundled engine profiles with derived KV capacity and timings.")
-    from .bench import calibrate
+    from ..bench import calibrate
 
     calibrate.add_arguments(esub.add_parser(
         "calibrate", help="fit a profile's cost constants to measured iteration timings",
@@ -113,8 +117,8 @@ def _add_sim(sub) -> None:
     p = sub.add_parser("sim", help="virtual-clock simulation of the engine model")
     ssub = p.add_subparsers(dest="sim_command", required=True,
                             metavar="{run,interference,paper,fidelity,compare}")
-    from .bench import fidelity, interference, paper, policies
-    from .sim import run
+    from ..bench import fidelity, interference, paper, policies
+    from . import sim as run
 
     run.add_arguments(ssub.add_parser(
         "run", help="simulate a multi-turn workload on a P/D cluster with a routing mode",
@@ -135,7 +139,7 @@ def _add_sim(sub) -> None:
 
 
 def _add_table(sub) -> None:
-    from .policy import cli as table_cli
+    from . import table as table_cli
 
     table_cli.add_arguments(sub.add_parser(
         "table", help="PPD decision tables: build, show, explain, reweight, evaluate",
@@ -149,7 +153,7 @@ def _add_router(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    from .bench import compare
+    from ..bench import compare
 
     compare.add_arguments(sub.add_parser(
         "bench", help="multi-turn benchmark: compare systems side by side, or measure an endpoint",
@@ -171,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router(sub)
     _add_bench(sub)
     _add_ctl(sub)
-    from .chaos import cli as chaos_cli
+    from . import chaos as chaos_cli
 
     chaos_cli.add_arguments(sub.add_parser(
         "chaos", help="play a workload against a supervised graph and inject one fault per run",
@@ -180,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args) -> int:
-    from .launch import ServeOptions, serve
+    from ..launch import ServeOptions, serve
 
     return serve(ServeOptions(
         graph=args.graph, http_port=args.http_port, nats_port=args.nats_port,
@@ -191,7 +195,7 @@ def _serve(args) -> int:
 
 
 def _ctl(args) -> int:
-    from .launch.control import ControlError, call, control_url, parse_signal
+    from ..launch.control import ControlError, call, control_url, parse_signal
 
     try:
         url = control_url(args.run_dir)
@@ -214,7 +218,7 @@ def _ctl(args) -> int:
 
 
 def _model(args) -> int:
-    from . import model
+    from .. import model
 
     if args.model_command == "init":
         target = args.dir or model.default_model_dir()
@@ -234,9 +238,9 @@ def _model(args) -> int:
 
 
 def _engine(args) -> int:
-    from .bench import calibrate
-    from .engine.cost import CostModel, PrefillChunk
-    from .engine.profile import bundled_profiles, load_profile
+    from ..bench import calibrate
+    from ..engine.cost import CostModel, PrefillChunk
+    from ..engine.profile import bundled_profiles, load_profile
 
     if args.engine_command == "calibrate":
         return calibrate.main(args)
@@ -254,13 +258,13 @@ def _engine(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .engine.profile import ProfileError
-    from .launch import BadInput, GraphError, LaunchError
-    from .model import ModelDirError
+    from ..engine.profile import ProfileError
+    from ..launch import BadInput, GraphError, LaunchError
+    from ..model import ModelDirError
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["router"]:  # the router has its own command line (dynamo_ppd/router/args.py)
-        from .router.service import main as router_main
+        from ..router.service import main as router_main
 
         router_main(argv[1:])
         return 0
@@ -273,24 +277,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "engine":
             return _engine(args)
         if args.command == "sim":
-            from .bench import fidelity, interference, paper, policies
-            from .sim import run
+            from ..bench import fidelity, interference, paper, policies
+            from . import sim as run
 
             mains = {"run": run.main, "interference": interference.main, "paper": paper.main,
                      "fidelity": fidelity.main, "compare": policies.main}
             return mains[args.sim_command](args)
         if args.command == "table":
-            from .policy import cli as table_cli
+            from . import table as table_cli
 
             return table_cli.main(args)
         if args.command == "bench":
-            from .bench import compare
+            from ..bench import compare
 
             return compare.main(args)
         if args.command == "ctl":
             return _ctl(args)
         if args.command == "chaos":
-            from .chaos import cli as chaos_cli
+            from . import chaos as chaos_cli
 
             return chaos_cli.main(args)
     except (GraphError, BadInput, ModelDirError, ProfileError) as exc:
@@ -300,7 +304,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
         return 1
     raise AssertionError(f"unhandled command {args.command}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import msgspec
 
-from .report import REPORT_VERSION, ChaosReport, Fault, TurnRecord, analyze, markdown, passed
-from .run import FAULT_REPLICAS, FAULTS, RunSettings, run_fault
+from ..chaos.report import REPORT_VERSION, ChaosReport, Fault, TurnRecord, analyze, markdown, passed
+from ..chaos.run import FAULT_REPLICAS, FAULTS, RunSettings, run_fault
 
 NOTES_MARKER = "<!-- notes: kept when the report is rewritten -->"
 
