@@ -10,6 +10,7 @@ import pytest
 from test_router_dispatch import FakeClient, hold
 
 from dynamo_ppd.engine import load_profile
+from dynamo_ppd.engine.blocks import dynamo_block_hasher
 from dynamo_ppd.engine.scheduler import LoadSnapshot
 from dynamo_ppd.policy.decision import Decision, Mode, Policy, PolicyConfig, Route, WorkerLoad
 from dynamo_ppd.policy.placement import (
@@ -29,6 +30,8 @@ from dynamo_ppd.sim import Cluster
 from dynamo_ppd.sim import RequestFeatures as SimFeatures
 from dynamo_ppd.sim.cluster import ClusterRequest
 from dynamo_ppd.sim.routing import DecodeLocal, ViaPrefill, least_loaded_decode, least_loaded_prefill
+
+pytestmark = pytest.mark.unit
 
 
 def state(prefill=("P0", "P1"), decode=("D0", "D1"), loads=None, routed=None,
@@ -155,15 +158,13 @@ async def routed_by_router(args: list[str], first: list[int], answer: list[int],
     """The live router (in process) fed what it would know of the simulated state: the session's
     record of turn 1, the KV events of what P1 and D0 stored, its own counts of the HOT requests
     it routed to D0, and each worker's latest forward-pass metrics; then it plans turn 2."""
-    from dynamo._core import compute_block_hash_for_seq
-
     config = parse_args(args)
-    router = PpdRouter(None, config, build_policy(config), RouterMetrics())
-    router._hash = compute_block_hash_for_seq
-    router.clients = {"prefill": FakeClient([IDS["P0"], IDS["P1"]], "prefill"),
-                      "decode": FakeClient([IDS["D0"], IDS["D1"]], "decode")}
-    turn1 = _Plan(session_id="s", turn=1, prompt_tokens=len(first), local_hashes=router._hash(first, 32),
-                  chained=None, prefill=IDS["P1"], decode=IDS["D0"])
+    router = PpdRouter(None, config, build_policy(config), RouterMetrics(),
+                       clients={"prefill": FakeClient([IDS["P0"], IDS["P1"]], "prefill"),
+                                "decode": FakeClient([IDS["D0"], IDS["D1"]], "decode")})
+    turn1 = _Plan(session_id="s", turn=1, prompt_tokens=len(first),
+                  local_hashes=dynamo_block_hasher()(first, 32), chained=None, prefill=IDS["P1"],
+                  decode=IDS["D0"])
     await router._record_turn(turn1, first, answer)
     hold(router, IDS["P1"], first)
     hold(router, IDS["D0"], first + answer)

@@ -6,10 +6,13 @@ import asyncio
 
 import pytest
 
+from dynamo_ppd.engine.blocks import dynamo_block_hasher
 from dynamo_ppd.router.args import parse_args
 from dynamo_ppd.router.metrics import RouterMetrics
 from dynamo_ppd.router.router import PpdRouter
 from dynamo_ppd.router.service import build_policy
+
+pytestmark = pytest.mark.unit
 
 PREFILL, D1, D2 = 1, 11, 12
 
@@ -41,19 +44,15 @@ class FakeClient:
 
 
 def make_router(mode: str = "local", dead: set[int] | None = None) -> PpdRouter:
-    from dynamo._core import compute_block_hash_for_seq
-
     config = parse_args(["--mode", mode])
-    router = PpdRouter(None, config, build_policy(config), RouterMetrics())
-    router._hash = compute_block_hash_for_seq
-    router.clients = {"prefill": FakeClient([PREFILL], "prefill", dead),
-                      "decode": FakeClient([D1, D2], "decode", dead)}
-    return router
+    return PpdRouter(None, config, build_policy(config), RouterMetrics(),
+                     clients={"prefill": FakeClient([PREFILL], "prefill", dead),
+                              "decode": FakeClient([D1, D2], "decode", dead)})
 
 
 def hold(router: PpdRouter, worker: int, tokens: list[int]) -> None:
     """Tell the router's residency index that ``worker`` stored these tokens' blocks."""
-    local = router._hash(tokens, 32)
+    local = dynamo_block_hasher()(tokens, 32)
     blocks = [{"block_hash": (worker << 32) + i, "tokens_hash": h} for i, h in enumerate(local)]
     stored = {"parent_hash": None, "blocks": blocks}
     router.residency.apply(worker, {"event_id": 0, "data": {"stored": stored}})
@@ -132,15 +131,12 @@ def test_no_decode_worker_is_a_503_and_no_tokens_a_4xx():
 
 
 def test_hybrid_places_new_conversations_on_replicas_and_keeps_them_there():
-    from dynamo._core import compute_block_hash_for_seq
-
     async def run():
         config = parse_args(["--mode", "ppd", "--replica-component", "replica", "--table", "none"])
-        router = PpdRouter(None, config, build_policy(config), RouterMetrics())
-        router._hash = compute_block_hash_for_seq
         replica = FakeClient([5], "decode")  # the lowest id: the least loaded on a tie
-        router.clients = {"prefill": FakeClient([PREFILL], "prefill"),
-                          "decode": FakeClient([D1, D2], "decode"), "replica": replica}
+        router = PpdRouter(None, config, build_policy(config), RouterMetrics(),
+                           clients={"prefill": FakeClient([PREFILL], "prefill"),
+                                    "decode": FakeClient([D1, D2], "decode"), "replica": replica})
         first = list(range(2000, 2300))
         out = await turn(router, first, session="h")
         await turn(router, first + out + list(range(3000, 3040)), session="h")

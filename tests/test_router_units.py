@@ -7,6 +7,7 @@ import random
 import pytest
 
 from dynamo_ppd.engine import load_profile
+from dynamo_ppd.engine.blocks import prefix_chain
 from dynamo_ppd.policy.decision import (
     Decision,
     Mode,
@@ -19,7 +20,7 @@ from dynamo_ppd.policy.decision import (
     WorkerLoad,
     score,
 )
-from dynamo_ppd.router.residency import Residency, prefix_chain
+from dynamo_ppd.router.residency import Residency
 from dynamo_ppd.router.sessions import SessionRecord, decode, encode
 
 IDLE = WorkerLoad()

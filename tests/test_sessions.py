@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from dynamo_ppd.router.residency import prefix_chain
+from dynamo_ppd.engine.blocks import prefix_chain
 from dynamo_ppd.router.sessions import (
     MAX_SESSION_ID_BYTES,
     SessionRecord,
@@ -118,7 +118,7 @@ def test_history_hashes_are_the_same_in_every_process():
     import sys
 
     history = SYSTEM + [1, 2, 3]
-    code = ("from dynamo_ppd.router.residency import prefix_chain;"
+    code = ("from dynamo_ppd.engine.blocks import prefix_chain;"
             "from dynamo_ppd.router.sessions import history_hashes;"
             f"h={history!r};c=prefix_chain([hash(tuple(h[i:i+32])) for i in range(0, len(h)//32*32, 32)]);"
             "print(history_hashes(c, h, 32))")

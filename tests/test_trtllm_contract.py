@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from dynamo_ppd.engine.blocks import dynamo_block_hasher
 from dynamo_ppd.engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION, DECODE_NEEDS_PARAMS_ERROR
 from dynamo_ppd.engine.profile import load_profile
 from dynamo_ppd.engine.scheduler import Engine, EngineConfig
@@ -37,6 +38,8 @@ from dynamo_ppd.router.service import build_policy
 from dynamo_ppd.worker.args import parse_args as worker_args
 from dynamo_ppd.worker.handler import SimulatedTrtllmHandler
 from dynamo_ppd.worker.live import WallClockEngine
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 STUB = Path(__file__).resolve().parent / "trtllm_stub"
@@ -160,19 +163,15 @@ class WireClient:
 
 
 def make_router(mode: str, prefill=None, decode=None, replica=None) -> PpdRouter:
-    from dynamo._core import compute_block_hash_for_seq
-
     argv = ["--mode", mode, "--table", "none"]
     if replica is not None:
         argv += ["--replica-component", "replica"]
     config = router_args(argv)
-    router = PpdRouter(None, config, build_policy(config), RouterMetrics())
-    router._hash = compute_block_hash_for_seq
-    router.clients = {"prefill": WireClient({PREFILL: prefill} if prefill else {}),
-                      "decode": WireClient({DECODE: decode} if decode else {})}
+    clients = {"prefill": WireClient({PREFILL: prefill} if prefill else {}),
+               "decode": WireClient({DECODE: decode} if decode else {})}
     if replica is not None:
-        router.clients["replica"] = WireClient({REPLICA: replica})
-    return router
+        clients["replica"] = WireClient({REPLICA: replica})
+    return PpdRouter(None, config, build_policy(config), RouterMetrics(), clients=clients)
 
 
 def frontend_request(tokens: list[int], session: str = "s") -> dict:
@@ -195,7 +194,7 @@ def tokens_of(chunks: list[dict]) -> list[int]:
 
 def hold(router: PpdRouter, worker: int, tokens: list[int]) -> None:
     """The decode worker's KV events, as the router would have read them from NATS."""
-    local = router._hash(tokens, 32)
+    local = dynamo_block_hasher()(tokens, 32)
     blocks = [{"block_hash": (worker << 32) + i, "tokens_hash": h} for i, h in enumerate(local)]
     router.residency.apply(worker, {"event_id": 0, "data": {"stored": {"parent_hash": None,
                                                                           "blocks": blocks}}})

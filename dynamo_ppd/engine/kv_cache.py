@@ -3,7 +3,7 @@
 - Tokens live in blocks of ``block_size``. A block is reusable once it is full and its tokens' KV
   is computed; it is then known by a chained hash (its tokens and everything before it), so two
   prompts share exactly their common full-block prefix.
-- The per-block token hash is Dynamo's own (`compute_block_hash_for_seq`): our KV events carry the
+- The per-block token hash is Dynamo's own (`blocks.dynamo_block_hasher`): our KV events carry the
   tokens, Dynamo's indexer hashes them the same way, and so its view matches this cache.
 - A full block no request references stays cached until space is needed; then the least recently
   used goes first, leaf before parent (evicting a parent evicts its cached descendants: they can
@@ -15,38 +15,13 @@ Every change to the set of cached blocks is recorded as a `KvStored`/`KvRemoved`
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
-# local_block_hashes(tokens, block_size) -> one hash per full block of ``tokens``.
-BlockHasher = Callable[[list[int], int], list[int]]
-
-
-def dynamo_block_hasher() -> BlockHasher:
-    from dynamo._core import compute_block_hash_for_seq
-
-    return compute_block_hash_for_seq
-
-
-def chain_hash(parent: int | None, local: int) -> int:
-    """The id of a block: its own token hash chained to its parent's id (63 bits, so it is a valid
-    signed 64-bit block hash in Dynamo's events)."""
-    data = (parent or 0).to_bytes(8, "little") + (local & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
-
-
-def chained_block_hashes(local_hashes: list[int]) -> list[int]:
-    """Chain per-block token hashes into prefix ids: block i's id depends on blocks 0..i."""
-    out: list[int] = []
-    parent = None
-    for local in local_hashes:
-        parent = chain_hash(parent, local)
-        out.append(parent)
-    return out
+from .blocks import BlockHasher, chain_hash, chained_block_hashes, dynamo_block_hasher
 
 
 class KvStored(msgspec.Struct, tag="stored", frozen=True):

@@ -34,6 +34,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from .blocks import BlockHasher
 from .cost import (
     CASCADE_MIN_PREFIX_TOKENS,
     CASCADE_MIN_REQUESTS,
@@ -42,7 +43,7 @@ from .cost import (
     PrefillChunk,
     vllm_uses_cascade,
 )
-from .kv_cache import BlockHasher, CacheFull, KvCache, KvEvent, SequenceKv
+from .kv_cache import CacheFull, KvCache, KvEvent, SequenceKv
 from .profile import EngineProfile
 
 

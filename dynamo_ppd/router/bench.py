@@ -15,9 +15,9 @@ import random
 import statistics
 import time
 
+from ..engine.blocks import dynamo_block_hasher, prefix_chain
 from .args import parse_args
 from .metrics import RouterMetrics
-from .residency import prefix_chain
 from .router import PpdRouter
 from .service import build_policy
 from .sessions import SessionRecord, history_hashes
@@ -33,18 +33,16 @@ class _Instances:
 
 def build(num_sessions: int, history_tokens: int, mode: str, seed: int = 0):
     """A router with `num_sessions` conversations spread over 3 decode workers (1 prefill)."""
-    from dynamo._core import compute_block_hash_for_seq
-
     config = parse_args(["--mode", mode])
-    router = PpdRouter(None, config, build_policy(config), RouterMetrics())
-    router._hash = compute_block_hash_for_seq
     decode_ids, prefill_ids = [11, 12, 13], [1]
-    router.clients = {"decode": _Instances(decode_ids), "prefill": _Instances(prefill_ids)}
+    router = PpdRouter(None, config, build_policy(config), RouterMetrics(),
+                       clients={"decode": _Instances(decode_ids), "prefill": _Instances(prefill_ids)})
+    block_hashes = dynamo_block_hasher()
     rng = random.Random(seed)
     histories = []
     for i in range(num_sessions):
         history = [rng.randrange(1000, 8000) for _ in range(history_tokens)]
-        local = compute_block_hash_for_seq(history, config.block_size)
+        local = block_hashes(history, config.block_size)
         decode = decode_ids[i % len(decode_ids)]
         blocks = [{"block_hash": (i << 20) + b, "tokens_hash": h} for b, h in enumerate(local)]
         router.residency.apply(decode, {"event_id": i, "data": {"stored": {"parent_hash": None,

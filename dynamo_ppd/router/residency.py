@@ -2,12 +2,13 @@
 
 Dynamo's events carry, per block, the engine's own block id, the hash of the block's tokens
 (Dynamo's `compute_block_hash_for_seq`) and the parent block's id. We turn each stored block into
-a prefix id, the chain of token hashes from the root (so two blocks with the same tokens after
-different histories differ), and keep per worker the prefix ids it holds. How many leading blocks
-of a prompt a worker holds is then one chain over the prompt's token hashes and a set lookup per
-block: a few microseconds, which matters on the decision path (Dynamo's RadixTree answers the same
-question, but each call crosses to its own thread: ~65 us here). Works for any engine that
-publishes Dynamo KV events; TensorRT-LLM's block ids never need to be understood.
+a prefix id (`engine.blocks.prefix_id`), the chain of token hashes from the root (so two blocks
+with the same tokens after different histories differ), and keep per worker the prefix ids it
+holds. How many leading blocks of a prompt a worker holds is then one chain over the prompt's
+token hashes and a set lookup per block: a few microseconds, which matters on the decision path
+(Dynamo's RadixTree answers the same question, but each call crosses to its own thread: ~65 us
+here). Works for any engine that publishes Dynamo KV events; TensorRT-LLM's block ids never need
+to be understood.
 
 The index never trusts a view it cannot prove: each worker's events carry a monotonic `event_id`,
 and a gap in it, or a `stored` block whose parent the index never saw (events published before this
@@ -26,9 +27,10 @@ from typing import Any
 
 import msgspec
 
+from ..engine.blocks import ROOT, prefix_id
+
 log = logging.getLogger("dynamo_ppd.router.residency")
 
-_ROOT = 0
 REPLAY_EVENTS = 2048  # per worker: events a rebuild replays over the worker's dump (see replace_worker)
 
 
@@ -39,18 +41,11 @@ def kv_events_subject(namespace: str, component: str, endpoint: str = "generate"
     return f"namespace.{namespace}.component.{component}.endpoint.{endpoint}.{topic}"
 
 
-def prefix_chain(local_hashes: list[int]) -> list[int]:
-    """Prefix ids of a sequence's full blocks (int-tuple hashing: fast, and the same in every
-    process; session records in etcd store them too, so they must stay so: no str/bytes hashing)."""
-    out = []
-    prefix = _ROOT
-    for h in local_hashes:
-        prefix = hash((prefix, h))
-        out.append(prefix)
-    return out
-
-
 class Residency:
+    """Per worker, the prefix ids of the KV blocks it holds, kept from its KV event stream, and
+    whether that view can still be trusted (`resync_requests`: rebuild it with `replace_worker`).
+    The router asks it how many leading blocks of a prompt each worker holds (`held_blocks`)."""
+
     def __init__(self, block_size: int, replay_events: int = REPLAY_EVENTS):
         self.block_size = block_size
         self._block_prefix: dict[int, dict[int, int]] = {}  # worker -> engine block id -> prefix id
@@ -125,14 +120,14 @@ class Residency:
         if "stored" in data:
             stored = data["stored"]
             parent = stored.get("parent_hash")
-            prefix = _ROOT if parent is None else blocks.get(parent)
+            prefix = ROOT if parent is None else blocks.get(parent)
             if prefix is None:
                 self._orphans.setdefault(worker_id, set()).update(
                     b["block_hash"] for b in stored["blocks"])
                 return False
             orphans = self._orphans.get(worker_id)
             for block in stored["blocks"]:
-                prefix = hash((prefix, block["tokens_hash"]))
+                prefix = prefix_id(prefix, block["tokens_hash"])
                 block_hash = block["block_hash"]
                 old = blocks.get(block_hash)
                 if old == prefix:
@@ -209,7 +204,7 @@ class Residency:
 
     # -- queries ----------------------------------------------------------------------------------
     def held_blocks(self, worker_id: int | None, chain: list[int]) -> int:
-        """Leading blocks of the sequence (given by its `prefix_chain`) the worker holds."""
+        """Leading blocks of the sequence (given by its `blocks.prefix_chain`) the worker holds."""
         held = self._held.get(worker_id) if worker_id is not None else None
         if not held:
             return 0

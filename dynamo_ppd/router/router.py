@@ -14,24 +14,26 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.blocks import dynamo_block_hasher, prefix_chain
 from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
 from ..engine.profile import load_profile
 from ..policy import placement
 from ..policy.decision import Decision, Policy, Route, WorkerLoad
 from ..policy.qps import SlidingWindowRate
 from ..policy.table import bundled_table, load_table
-from . import dispatch
+from . import dispatch, planner
 from .args import RouterConfig
 from .kv_sync import KvSync
 from .limits import RequestLimits, WorkerCards
 from .load_reports import LoadReports
 from .metrics import RouterMetrics, debug_line
+from .planner import NoWorkers
 from .rate_share import RatePublisher, SharedRate
-from .residency import Residency, kv_events_subject, prefix_chain
+from .residency import Residency, kv_events_subject
 from .sessions import (
     AUTO_PREFIX,
     FORK_SEPARATOR,
@@ -81,13 +83,6 @@ def _as_part_of_the_original(chunk: dict, already_sent: int) -> None:
             details["cached_tokens"] = max(0, min(details["cached_tokens"], usage["prompt_tokens"]))
 
 
-_NO_STATE: placement.ClusterState[int] = placement.ClusterState((), (), {}, {}, {})
-
-
-class NoWorkers(Exception):
-    """No worker of a needed kind: HTTP 503."""
-
-
 class _Loads:
     """What this router has in flight per worker (the live load it routes new conversations by)."""
 
@@ -119,7 +114,16 @@ class _Loads:
 
 
 class PpdRouter:
-    def __init__(self, runtime, config: RouterConfig, policy: Policy, metrics: RouterMetrics):
+    """The router component's handler (`generate`) and the state it keeps: the residency index
+    (KV events, `kv_sync`), the sessions (etcd), its own loads and the workers' load reports, the
+    request rate. Per turn it reads these into `planner`'s views, runs the plan it gets back
+    (`dispatch`), re-homes or continues the turn when a worker fails, and records the turn.
+
+    ``clients``: the Dynamo endpoint client per role ("prefill", "decode", "replica"); `start`
+    makes them from ``runtime`` (tests pass their own and never start)."""
+
+    def __init__(self, runtime, config: RouterConfig, policy: Policy, metrics: RouterMetrics,
+                 clients: dict[str, Any] | None = None):
         self.runtime = runtime
         self.config = config
         self.policy = policy
@@ -134,7 +138,8 @@ class PpdRouter:
         # The policy reads the rate of all router replicas together (each publishes its own).
         self.rate = SharedRate(SlidingWindowRate(window_s=10.0))
         self._rate_publisher = RatePublisher(self.rate, config.namespace, on_publish=metrics.set_rates)
-        self.clients: dict[str, Any] = {}
+        self.clients: dict[str, Any] = dict(clients or {})
+        self._hash = dynamo_block_hasher()  # Dynamo's per-block token hash, as the workers' events carry
         self._unreachable: dict[int, float] = {}  # worker -> when a request to it last failed
         self.limits = RequestLimits()  # context window set by the service, KV capacity by cards
         self._cards: WorkerCards | None = None
@@ -145,9 +150,6 @@ class PpdRouter:
 
     async def start(self) -> None:
         import nats
-        from dynamo._core import compute_block_hash_for_seq
-
-        self._hash = compute_block_hash_for_seq
         ns, cfg = self.config.workers_namespace, self.config
         components = {"prefill": cfg.prefill_component, "decode": cfg.decode_component}
         if cfg.replica_component:
@@ -257,93 +259,71 @@ class PpdRouter:
         await self._record_turn(plan, tokens, output)
 
     async def _plan(self, request: dict, tokens: list[int], forced: str | None = None) -> _Plan:
-        """Decide the route and workers; ``forced``: a table-building client's route."""
+        """Decide the route and workers; ``forced``: a table-building client's route. The I/O
+        around `planner.plan`: hash the prompt, find its session (etcd), read the residency index
+        and the loads into the planner's views; then count, log and claim what the plan says."""
         started = time.perf_counter()
         cfg = self.config
         local_hashes = self._hash(tokens, cfg.block_size)
         residency_chain = prefix_chain(local_hashes)
         header_id = (request.get("agent_context") or {}).get("session_id")
         record, session_id, turn = await self._find_session(header_id, tokens, residency_chain)
-        by_residency = record is None and turn > 1  # a fork: routed by residency (`_find_session`)
-        plan = _Plan(session_id=session_id, turn=turn, prompt_tokens=len(tokens),
-                     local_hashes=local_hashes, chained=residency_chain)
-
-        if cfg.mode.value == "replica":
-            plan.decode = self._pick_replica(residency_chain)
-            turn_request = self._turn(plan, request, None, None)
-            plan.decision = self.policy.decide(placement.features(turn_request, _NO_STATE, None, None), 0)
-            return self._decided(plan, started)
-        if await self._hybrid(plan, record, session_id):
-            return self._decided(plan, started)
-
-        decode_ids = self._instances("decode")
-        if not decode_ids:
-            raise NoWorkers("no decode worker is available; start one (or wait for it to register)")
-        session_decode = record.decode_worker if record and record.decode_worker in decode_ids else None
-        if by_residency:
-            session_decode = self._residency_home(decode_ids, residency_chain)
-        rehome = record is not None and record.decode_worker is not None and session_decode is None
-        prefill_ids = self._instances("prefill")
-        self._select_table(len(prefill_ids), len(decode_ids))
-        state = self._state(prefill_ids, decode_ids, residency_chain, session_decode)
-        placed = placement.place(self.policy, state, self._turn(plan, request, session_decode, record),
-                                 Route(forced) if forced else None)
-        decision = plan.decision = placed.decision
-        plan.prefill, plan.decode = placed.prefill, placed.decode
-        if decision.reason == "history_evicted":
-            self.metrics.residency_misses.inc()
-        if rehome:
-            self.metrics.rehomes.inc()
-        if placed.moved:  # its KV comes by transfer anyway: it left the hot decode worker
-            self.metrics.session_moves.inc()
-        self._decided(plan, started)
-        if record is None:
-            # A new session: claim it in etcd (another router replica may be placing it right now)
-            # while the prefill runs; the decode worker is settled when the prefill is done.
-            plan.claim = asyncio.get_running_loop().create_task(self.sessions.claim(SessionRecord(
-                session_id=session_id, decode_worker=plan.decode, prefill_worker=plan.prefill,
-                last_access=time.time())))
-            plan.decode_ids = decode_ids
-        debug_line(session=session_id, turn=turn, prompt_tokens=len(tokens),
-                   cached_on_decode=placed.features.cached_on_decode,
-                   cached_on_prefill=placed.features.cached_on_prefill, decode=plan.decode,
-                   prefill=plan.prefill,
-                   route=decision.route.value, reason=decision.reason, score=decision.score,
-                   rehome=rehome, local=decision.local, via_prefill=decision.via_prefill)
-        return plan
-
-    def _decided(self, plan: _Plan, started: float) -> _Plan:
-        self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        self.metrics.count_decision(plan.decision.route.value, "first" if plan.turn == 1 else "follow_up",
-                                    plan.decision.reason)
-        return plan
-
-    def _state(self, prefill_ids: list[int], decode_ids: list[int], chain: list[int],
-               session_decode: int | None) -> placement.ClusterState[int]:
-        """What placement reads: how much of the prompt each prefill worker and the session's
-        decode worker hold (the residency index), this router's own counts, and the loads the
-        policy reads (own counts merged with the workers' reports)."""
-        bs = self.config.block_size
-        cached = {w: blocks * bs for w, blocks in self.residency.held_by_worker(chain, prefill_ids).items()}
-        if session_decode is not None:
-            cached[session_decode] = self.residency.held_blocks(session_decode, chain) * bs
-        workers = [*prefill_ids, *decode_ids]
-        return placement.ClusterState(
-            prefill_ids, decode_ids, loads={w: self.loads.of(w, self.reports.get(w)) for w in workers},
-            routed={w: self.loads.routed(w) for w in workers}, cached_tokens=cached)
-
-    def _routed_state(self, decode_ids: list[int]) -> placement.ClusterState[int]:
-        """Enough for `placement.pick_decode`: this router's own counts on these workers."""
-        return placement.ClusterState((), decode_ids, {}, {w: self.loads.routed(w) for w in decode_ids}, {})
-
-    def _turn(self, plan: _Plan, request: dict, session_decode: int | None,
-              record: SessionRecord | None) -> placement.TurnRequest[int]:
+        replica_mode = cfg.mode.value == "replica"
+        cluster = (self._cluster(residency_chain, replica=self._instances("replica")) if replica_mode else
+                   self._cluster(residency_chain, self._instances("prefill"), self._instances("decode"),
+                                 self._instances("replica")))
+        if cluster.decode:  # the policy's table for the live P:D configuration
+            self._select_table(len(cluster.prefill), len(cluster.decode))
         stop = request.get("stop_conditions") or {}
-        return placement.TurnRequest(
-            decision_key=f"{plan.session_id}:{plan.turn}", turn=plan.turn, prompt_tokens=plan.prompt_tokens,
-            expected_output_tokens=stop.get("max_tokens") or self.config.default_max_tokens,
-            session_decode=session_decode, history_tokens=record.context_tokens if record else 0,
-            qps=self.rate.rate(time.monotonic()))
+        decided = planner.plan(
+            self.policy, planner.SessionView(session_id, turn, record), cluster,
+            planner.TurnView(len(tokens), stop.get("max_tokens") or cfg.default_max_tokens,
+                             self.rate.rate(time.monotonic()), Route(forced) if forced else None),
+            replica_mode=replica_mode)
+        plan = _Plan(session_id=session_id, turn=turn, prompt_tokens=len(tokens), local_hashes=local_hashes,
+                     chained=residency_chain, decision=decided.decision, prefill=decided.prefill,
+                     decode=decided.decode)
+        decision = decided.decision
+        if decided.residency_miss:
+            self.metrics.residency_misses.inc()
+        if decided.rehome:
+            self.metrics.rehomes.inc()
+        if decided.moved:  # its KV comes by transfer anyway: it left the hot decode worker
+            self.metrics.session_moves.inc()
+        if decided.claim:
+            # A new session: claim it in etcd (another router replica may be placing it right now).
+            claim = self.sessions.claim(SessionRecord(session_id=session_id, decode_worker=plan.decode,
+                                                      prefill_worker=plan.prefill, last_access=time.time()))
+            if decision.route is Route.REPLICA:
+                await claim  # no prefill leg to overlap it with
+            else:  # while the prefill runs; the decode worker is settled when the prefill is done
+                plan.claim = asyncio.get_running_loop().create_task(claim)
+                plan.decode_ids = list(cluster.decode)
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        self.metrics.count_decision(decision.route.value, "first" if turn == 1 else "follow_up",
+                                    decision.reason)
+        if decided.features is not None:
+            debug_line(session=session_id, turn=turn, prompt_tokens=len(tokens),
+                       cached_on_decode=decided.features.cached_on_decode,
+                       cached_on_prefill=decided.features.cached_on_prefill, decode=plan.decode,
+                       prefill=plan.prefill,
+                       route=decision.route.value, reason=decision.reason, score=decision.score,
+                       rehome=decided.rehome, local=decision.local, via_prefill=decision.via_prefill)
+        return plan
+
+    def _cluster(self, chain: list[int], prefill: Sequence[int] = (), decode: Sequence[int] = (),
+                 replica: Sequence[int] = ()) -> planner.Cluster:
+        """The planner's view of these workers: how much of the prompt (``chain``: its prefix ids)
+        each holds (the residency index), this router's own counts, and the loads the policy reads
+        (own counts merged with the workers' reports)."""
+        bs = self.config.block_size
+        disaggregated = [*prefill, *decode]
+        every = [*disaggregated, *replica]
+        return planner.Cluster(
+            prefill, decode, replica,
+            cached_tokens={w: self.residency.held_blocks(w, chain) * bs for w in every},
+            loads={w: self.loads.of(w, self.reports.get(w)) for w in disaggregated},
+            routed={w: self.loads.routed(w) for w in every})
 
     def _select_table(self, prefill_workers: int, decode_workers: int) -> None:
         """``--table auto``: the table shipped for the profile and the live P:D configuration
@@ -363,40 +343,6 @@ class PpdRouter:
         self.policy.set_table(table)
         log.info("P:D configuration %s: %s", config, f"table {path.name}" if table else
                  "no shipped table, deciding from the engine profile's predictions")
-
-    def _pick_decode(self, ids: list[int]) -> int:
-        """A new conversation's decode worker (`placement.pick_decode`: the least loaded now)."""
-        if not ids:
-            raise NoWorkers("no decode worker is available")
-        return placement.pick_decode(ids, self._routed_state(ids))
-
-    async def _hybrid(self, plan: _Plan, record: SessionRecord | None, session_id: str) -> bool:
-        """Hybrid (aggregated "replica" workers beside P/D, ``--replica-component``): a conversation
-        placed on a replica stays there (prefill and decode with prefix reuse, no transfers); a new
-        one goes to the least loaded of the replicas and the decode workers. True: the plan is set."""
-        replica_ids = self._instances("replica")
-        if not replica_ids:
-            return False
-        if record is not None and record.decode_worker is not None and record.decode_worker in replica_ids:
-            plan.decode, plan.decision = record.decode_worker, Decision(Route.REPLICA, "replica_session")
-            return True
-        if record is not None:
-            return False
-        candidates = replica_ids + self._instances("decode")
-        chosen = placement.pick_decode(candidates, self._routed_state(candidates))
-        if chosen not in replica_ids:
-            return False
-        plan.decode, plan.decision = chosen, Decision(Route.REPLICA, "hybrid_new_conversation")
-        await self.sessions.claim(SessionRecord(session_id=session_id, decode_worker=chosen,
-                                                last_access=time.time()))
-        return True
-
-    def _pick_replica(self, chain: list[int]) -> int:
-        ids = self._instances("replica")
-        if not ids:
-            raise NoWorkers("no aggregated (replica) worker is available")
-        cached = self.residency.held_by_worker(chain, ids)
-        return max(ids, key=lambda w: (cached.get(w, 0), -self.loads.inflight[w], -w))
 
     def _instances(self, role: str) -> list[int]:
         """The live instances of a role, less those that just failed: a SIGKILLed worker stays in
@@ -489,36 +435,20 @@ class PpdRouter:
         return plan.decode
 
     def _rehome(self, plan: _Plan, failed: set[int], tokens: list[int]) -> None:
-        """After a worker failed: a live decode worker (the same one if only the prefill worker
-        failed), and the policy's route to it for ``tokens``; decode-local when no prefill worker
-        is left (the decode worker recomputes what it does not hold)."""
+        """After a worker failed: `planner.rehome` over the workers left (a live decode worker, the
+        same one if only the prefill worker failed, and the policy's route to it for ``tokens``)."""
         self.metrics.rehomes.inc()
-        if plan.decision.route is Route.REPLICA:
-            replicas = [w for w in self._instances("replica") if w not in failed]
-            if not replicas:
-                raise NoWorkers("no aggregated worker is left to serve this request; start one")
-            plan.decode = min(replicas, key=lambda w: (self.loads.inflight[w], w))
-            return
-        decode_ids = [w for w in self._instances("decode") if w not in failed]
-        prefill_ids = [w for w in self._instances("prefill") if w not in failed]
-        if plan.decode in failed or plan.decode not in decode_ids:
-            plan.decode = self._pick_decode(decode_ids)  # NoWorkers: none left (503)
-        plan.prompt_tokens = len(tokens)
-        if not prefill_ids:
-            plan.prefill = None
-            plan.decision = Decision(Route.DECODE_LOCAL, "rehome_no_prefill_worker")
-            return
-        state = self._state(prefill_ids, decode_ids, prefix_chain(self._hash(tokens, self.config.block_size)),
-                            plan.decode)
-        plan.prefill, _ = placement.pick_prefill(prefill_ids, len(tokens), state)
-        # A follow-up of the history ``tokens`` hold, on the decode worker it now has.
-        turn = placement.TurnRequest(
-            decision_key=f"{plan.session_id}:{plan.turn}", turn=max(2, plan.turn), prompt_tokens=len(tokens),
-            expected_output_tokens=self.config.default_max_tokens, session_decode=plan.decode,
-            history_tokens=len(tokens), qps=self.rate.rate(time.monotonic()))
-        decision = self.policy.decide(placement.features(turn, state, plan.decode, plan.prefill),
-                                      history_tokens=len(tokens))
-        plan.decision = Decision(decision.route, f"rehome_{decision.reason}", decision.score)
+        replica = plan.decision.route is Route.REPLICA
+        live = {role: [w for w in self._instances(role) if w not in failed]
+                for role in (("replica",) if replica else ("prefill", "decode"))}
+        chain = [] if replica else prefix_chain(self._hash(tokens, self.config.block_size))
+        moved = planner.rehome(
+            self.policy, planner.SessionView(plan.session_id, plan.turn), plan.decision, plan.decode,
+            self._cluster(chain, **live),
+            planner.TurnView(len(tokens), self.config.default_max_tokens, self.rate.rate(time.monotonic())))
+        plan.decision, plan.prefill, plan.decode = moved.decision, moved.prefill, moved.decode
+        if not replica:
+            plan.prompt_tokens = len(tokens)
 
     async def _find_session(self, header_id: str | None, tokens: list[int], chain: list[int]
                             ) -> tuple[SessionRecord | None, str, int]:
@@ -547,9 +477,9 @@ class PpdRouter:
                 return None, header_id, 1  # etcd has no such session: a new conversation
             # etcd is away, so another replica's record of it may exist unseen: when a decode
             # worker holds most of the prompt, this is a follow-up of the history it holds.
-            held = self.residency.held_by_worker(chain, self._instances("decode"))
-            share = max(held.values(), default=0) * self.config.block_size / len(tokens)
-            return None, header_id, 2 if share >= self.config.min_resident_fraction else 1
+            held = self._cluster(chain, decode=self._instances("decode")).cached_tokens
+            turn = planner.follow_up_turn(held, len(tokens), self.config.min_resident_fraction)
+            return None, header_id, turn
         if self.sessions.table.continues(record, chain, tokens):
             return record, header_id, record.turn + 1
         self.metrics.session_forks.inc()
@@ -557,12 +487,6 @@ class PpdRouter:
         if fork is not None:
             return fork, fork.session_id, fork.turn + 1
         return None, f"{header_id}{FORK_SEPARATOR}{uuid.uuid4().hex[:12]}", record.turn + 1
-
-    def _residency_home(self, decode_ids: list[int], chain: list[int]) -> int | None:
-        """The decode worker holding the longest prefix of the prompt (None: none holds any)."""
-        held = self.residency.held_by_worker(chain, decode_ids)
-        best = max(decode_ids, key=lambda w: (held[w], -self.loads.inflight[w], -w), default=None)
-        return best if best is not None and held[best] > 0 else None
 
     async def _record_turn(self, plan: _Plan, prompt: list[int], output: list[int]) -> None:
         """The turn is done: its decode worker now holds prompt + output; remember that."""

@@ -15,7 +15,7 @@
 When does a prompt continue a recorded history?
     Only when the whole history (prompt + output of the session's last turn, ``context_tokens``
     tokens) is a prefix of the prompt, token for token. A record keeps two hashes of its history:
-    ``history_hash``, the prefix id (`residency.prefix_chain`) of its last full block (``None``
+    ``history_hash``, the prefix id (`engine.blocks.prefix_chain`) of its last full block (``None``
     with no full block), and ``history_digest``, that id hashed with the tokens after the last
     full block (the partial tail). A prompt matches when its own prefix id at that block equals
     ``history_hash`` and its tokens at the same offsets hash to ``history_digest``. Matching the
@@ -47,6 +47,8 @@ from typing import Any
 
 import msgspec
 
+from ..engine.blocks import ROOT
+
 log = logging.getLogger("dynamo_ppd.router.sessions")
 
 MAX_SESSION_ID_BYTES = 256  # longer ids get HTTP 400 (10 kB ones were stored once)
@@ -55,7 +57,6 @@ FORK_SEPARATOR = "#"  # X#... : a conversation sent under X whose prompt did not
 DEFAULT_MAX_SESSIONS = 100_000
 LOAD_PAGE = 1000  # records per etcd range request on load (gRPC's 4 MiB limit broke one get)
 SAVE_WAIT_S = 0.5  # how long a turn's end waits for its etcd write before leaving it in the background
-_ROOT = 0
 
 
 
@@ -96,7 +97,7 @@ def check_session_id(session_id: str | None) -> None:
 def tail_digest(anchor: int | None, tail: list[int]) -> int:
     """Hash of a history's tokens after its last full block, chained to that block's prefix id
     (a tuple of ints: the same in every process, unlike a hash of bytes, which is salted)."""
-    return hash((anchor or _ROOT, len(tail), tuple(tail)))
+    return hash((anchor or ROOT, len(tail), tuple(tail)))
 
 
 def history_hashes(chain: list[int], tokens: list[int], block_size: int) -> tuple[int | None, int]:
@@ -177,7 +178,7 @@ class SessionTable:
         accept = accept or (lambda session_id: session_id.startswith(AUTO_PREFIX))
         bs = self.block_size
         for full in range(min(len(chain), len(tokens) // bs), -1, -1):
-            anchor = chain[full - 1] if full else _ROOT
+            anchor = chain[full - 1] if full else ROOT
             tails = self._tails.get(anchor)
             if not tails:
                 continue
@@ -211,7 +212,7 @@ class SessionTable:
     def _key(self, record: SessionRecord) -> tuple[int, int, int] | None:
         if record.history_digest is None or record.context_tokens == 0:
             return None
-        return (record.history_hash or _ROOT, record.context_tokens % self.block_size,
+        return (record.history_hash or ROOT, record.context_tokens % self.block_size,
                 record.history_digest)
 
     def _index_record(self, record: SessionRecord) -> None:
