@@ -47,8 +47,9 @@ from ..sim.cluster import parse_config
 from ..workloads.manifest import Manifest, load_manifest, scale_arrivals
 from . import results as res
 from . import sizing
-from .client import RequestResult, run_manifest
+from .client import run_manifest
 from .cpu import CpuMeter
+from .progress import Progress
 
 SYSTEMS = ("agg", "pd", "cond-disagg", "local", "ppd")
 
@@ -111,46 +112,17 @@ def speedup_args(graph: str, dilation: float) -> dict[str, list[str]]:
             if any(a in ("dynamo_ppd.worker", "dynamo_ppd.router") for a in c.command)}
 
 
-class _Progress:
-    """Requests done; on a terminal as they finish, else a line every `EVERY_S` seconds."""
-
-    EVERY_S = 30.0
-
-    def __init__(self, label: str, total: int):
-        self.label, self.total, self.done, self.failed = label, total, 0, 0
-        self.tty = sys.stderr.isatty()
-        self.started = self.last = time.monotonic()
-
-    def __call__(self, result: RequestResult) -> None:
-        self.done += 1
-        self.failed += not result.ok and not result.cut
-        if self.tty:
-            sys.stderr.write(f"\r  {self.label}: {self.done}/~{self.total} requests, {self.failed} failed")
-            sys.stderr.flush()
-        elif time.monotonic() - self.last >= self.EVERY_S:
-            self.last = time.monotonic()
-            sys.stderr.write(f"  {self.label}: {self.done}/~{self.total} requests, {self.failed} failed, "
-                             f"{self.last - self.started:.0f} s\n")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-        sys.stderr.write(f"  {self.label}: {self.done} requests, {self.failed} failed, "
-                         f"{time.monotonic() - self.started:.0f} s\n")
-        sys.stderr.flush()
-
-
 def play(url: str, system: str, workload: str, rate: float, manifest: Manifest, seed: int,
          dilation: float = 1.0, horizon_s: float | None = None, meter: CpuMeter | None = None,
          **extra) -> res.Point:
     label = f"{system} {workload} @ {rate:g} conv/s" + (f" (dilation {dilation:g})" if dilation != 1 else "")
-    progress = _Progress(label, sum(len(c.turns) for c in manifest.conversations))
+    progress = Progress(sum(len(c.turns) for c in manifest.conversations), f"  {label}", "requests",
+                        every_s=30.0)
     started = time.monotonic()
     if meter is not None:
         meter.start()
-    results = asyncio.run(run_manifest(url, manifest, seed=seed, on_result=progress, dilation=dilation,
-                                       horizon_s=horizon_s))
+    results = asyncio.run(run_manifest(url, manifest, seed=seed, dilation=dilation, horizon_s=horizon_s,
+                                       on_result=lambda r: progress.step(failed=not r.ok and not r.cut)))
     cores = meter.stop() if meter is not None else {}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     progress.close()
