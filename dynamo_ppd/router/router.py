@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.blocks import dynamo_block_hasher, prefix_chain
-from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
+from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION, FORCED_ROUTE_ANNOTATION
 from ..engine.profile import load_profile
 from ..policy import placement
 from ..policy.decision import Decision, Policy, Route, WorkerLoad
@@ -48,7 +48,6 @@ log = logging.getLogger("dynamo_ppd.router")
 
 MAX_ATTEMPTS = 3  # workers tried per request: the first, then re-homes and migrations
 UNREACHABLE_S = 30.0  # a worker that failed is skipped this long (Dynamo's discovery lease TTL)
-FORCED_ROUTE = "x-ppd-route:"  # annotation prefix obeyed only with --allow-forced-route
 
 
 def _cancelled(context) -> bool:
@@ -213,11 +212,13 @@ class PpdRouter:
         # A client cannot choose its route: drop a bypass annotation it sent (as Dynamo does), and
         # a forced route unless this router is a table-building one (--allow-forced-route).
         annotations = request.get("annotations") or []
-        forced = next((a[len(FORCED_ROUTE):] for a in annotations if a.startswith(FORCED_ROUTE)), None)
-        request["annotations"] = [a for a in annotations
-                                  if a != BYPASS_REMOTE_PREFILL_ANNOTATION and not a.startswith(FORCED_ROUTE)]
+        forced = next((a[len(FORCED_ROUTE_ANNOTATION):] for a in annotations
+                       if a.startswith(FORCED_ROUTE_ANNOTATION)), None)
+        request["annotations"] = [a for a in annotations if a != BYPASS_REMOTE_PREFILL_ANNOTATION
+                                  and not a.startswith(FORCED_ROUTE_ANNOTATION)]
         if forced not in (None, Route.DECODE_LOCAL.value, Route.VIA_PREFILL.value):
-            raise InvalidArgument(f"{FORCED_ROUTE}{forced}: the route must be decode_local or via_prefill")
+            raise InvalidArgument(f"{FORCED_ROUTE_ANNOTATION}{forced}: the route must be decode_local or "
+                                  "via_prefill")
         forced = forced if self.config.allow_forced_route else None
         too_big = self.limits.check(len(tokens), (request.get("stop_conditions") or {}).get("max_tokens"))
         if too_big:  # before any worker does any work (a 150k-word message ran 2.9 s, then a 500)
