@@ -205,3 +205,17 @@ def markdown(results: list[FaultResult]) -> str:
 def passed(result: FaultResult) -> bool:
     """The issue's target: no failed request and no truncated stream."""
     return result.failed == 0 and result.truncated == 0
+
+
+def reanalyze(report: ChaosReport, records: dict[str, list[TurnRecord]], *, window_s: float,
+              recovery_window_s: float, tolerance: float) -> ChaosReport:
+    """``report`` recomputed from its turn records with other windows (no graph is started)."""
+    results = []
+    for old in report.results:
+        fault = Fault(old.kind, old.target, old.at_s, old.graph, old.back_after_s, old.target_inflight)
+        new = analyze(records[old.kind], fault, window_s=window_s,
+                      recovery_window_s=recovery_window_s, tolerance=tolerance)
+        results.append(msgspec.structs.replace(new, other_restarts=old.other_restarts,
+                                               router_counters=old.router_counters))
+    return msgspec.structs.replace(report, window_s=window_s, recovery_window_s=recovery_window_s,
+                                   tolerance=tolerance, results=results)

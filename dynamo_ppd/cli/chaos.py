@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import msgspec
 
-from ..chaos.report import REPORT_VERSION, ChaosReport, Fault, TurnRecord, analyze, markdown, passed
-from ..chaos.run import FAULT_REPLICAS, FAULTS, RunSettings, run_fault
-
-NOTES_MARKER = "<!-- notes: kept when the report is rewritten -->"
+from ..chaos import experiment
+from ..chaos.report import reanalyze
+from ..chaos.run import FAULT_REPLICAS, FAULTS, RunSettings
 
 DESCRIPTION = (
     "Bring up a supervised graph (default ppd, 1P3D; 2P2D for prefill-kill, two router replicas for "
@@ -66,67 +64,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where each fault's graph keeps its logs")
 
 
-def _commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                              timeout=10, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _write(report: ChaosReport, out: Path, records: dict[str, list[TurnRecord]] | None) -> None:
-    table = markdown(report.results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
-    md = out.with_suffix(".md")
-    # Hand-written notes under NOTES_MARKER survive a rerun.
-    old = md.read_text() if md.is_file() else ""
-    notes = old[old.index(NOTES_MARKER):] if NOTES_MARKER in old else f"{NOTES_MARKER}\n"
-    md.write_text(
-        f"# Chaos run\n\n`{report.command}` ({time.strftime('%Y-%m-%d')}, tree {report.commit or 'unknown'}):"
-        f" {report.workload} at {report.rate_conv_per_s:g} conv/s, {report.duration_s:g} s per fault, a "
-        f"fresh supervised graph per fault. p99 TTFT: turns sent in the {report.window_s:g} s before vs "
-        f"after the fault. Recovery: from the fault to the first {report.recovery_window_s:g} s window "
-        f"of follow-ups whose decode-local share is back within {100 * report.tolerance:g} points of "
-        f"the share in the {report.recovery_window_s:g} s before the fault (the 'decode-local before' "
-        f"column; 'after' is from the recovery on). dynamo_ppd/chaos/report.py defines each column."
-        f"\n\n{table}\n\n{notes}")
-    if records is not None:
-        out.with_name(out.name + "-records.json").write_bytes(msgspec.json.encode(records))
-    print(table)
-    print(f"\nwrote {md} and {out.with_suffix('.json')}")
-
-
-def reanalyze(args: argparse.Namespace) -> ChaosReport:
-    """The report of OUT.json recomputed from OUT-records.json with this command's windows (the
-    analysis is pure: no graph is started)."""
-    report = msgspec.json.decode(args.out.with_suffix(".json").read_bytes(), type=ChaosReport)
-    records = msgspec.json.decode(args.out.with_name(args.out.name + "-records.json").read_bytes(),
-                                  type=dict[str, list[TurnRecord]])
-    results = []
-    for old in report.results:
-        fault = Fault(old.kind, old.target, old.at_s, old.graph, old.back_after_s, old.target_inflight)
-        new = analyze(records[old.kind], fault, window_s=args.window,
-                      recovery_window_s=args.recovery_window, tolerance=args.tolerance)
-        results.append(msgspec.structs.replace(new, other_restarts=old.other_restarts,
-                                               router_counters=old.router_counters))
-    return msgspec.structs.replace(report, window_s=args.window, recovery_window_s=args.recovery_window,
-                                   tolerance=args.tolerance, results=results)
-
-
 def main(args: argparse.Namespace) -> int:
     from ..workloads.generators import UnknownWorkload, make_workload
 
     if args.reanalyze:
         try:
-            report = reanalyze(args)
+            report, records = experiment.load(args.out)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             print(f"dynamo-ppd: error: cannot reanalyze {args.out}: {exc}", file=sys.stderr)
             return 2
-        _write(report, args.out, None)
-        return 0 if all(passed(r) for r in report.results) else 1
+        report = reanalyze(report, records, window_s=args.window, recovery_window_s=args.recovery_window,
+                           tolerance=args.tolerance)
+        experiment.write(report, args.out, None)
+        return 0 if experiment.all_passed(report) else 1
 
     if not 0 < args.fault_at < args.duration:
         print("dynamo-ppd: error: --fault-at must be inside the run (0 < --fault-at < --duration)",
@@ -143,14 +93,7 @@ def main(args: argparse.Namespace) -> int:
                            window_s=args.window,
                            recovery_window_s=args.recovery_window, tolerance=args.tolerance,
                            run_root=args.run_root)
-    commit = _commit()  # at the start: each fault's graph runs the tree as it is when it starts
-    results, records = [], {}
-    for kind in args.faults:
-        result, turns = run_fault(kind, settings, manifest)
-        results.append(result)
-        records[kind] = turns
     command = " ".join(["dynamo-ppd", "chaos", *(sys.argv[2:] if sys.argv[1:2] == ["chaos"] else [])])
-    report = ChaosReport(REPORT_VERSION, command, args.workload, args.qps, args.duration, args.window,
-                         args.recovery_window, args.tolerance, results, commit)
-    _write(report, args.out, records if args.records else None)
-    return 0 if all(passed(r) for r in results) else 1
+    report, records = experiment.run_faults(args.faults, settings, manifest, command)
+    experiment.write(report, args.out, records if args.records else None)
+    return 0 if experiment.all_passed(report) else 1
