@@ -69,6 +69,7 @@ from ..argtypes import positive_int
 from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, load_profile
 from ..engine.scheduler import Engine, EngineRequest, TokenOutput
 from . import interference_paper as paper
+from . import plots
 
 Kind = Literal["full", "append"]
 PROTOCOLS = ("paper", "closed-loop")
@@ -276,10 +277,7 @@ def format_table(points: Sequence[InterferencePoint], context_batch: int) -> str
 
 def plot(points: Sequence[InterferencePoint], path: Path, title: str, context_batch: int) -> None:
     """Panels as the paper's: slowdown vs decode batch (k=1, k=4) and slowdown vs context."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     batch_points = [p for p in points if p.context_tokens == BATCH_SWEEP_CONTEXT]
     ks = sorted({p.concurrent for p in batch_points})
@@ -314,9 +312,7 @@ def plot(points: Sequence[InterferencePoint], path: Path, title: str, context_ba
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -38,6 +38,7 @@ import msgspec
 
 from ..engine.profile import EngineProfile
 from ..engine.scheduler import Engine, EngineRequest, TokenOutput
+from . import plots
 
 if TYPE_CHECKING:
     from .interference import InterferencePoint
@@ -303,10 +304,7 @@ def plot(points: Sequence[InterferencePoint], measured: dict[MeasuredKey, Measur
          sensitivity_measured: tuple[MeasuredPoint, dict[int, MeasuredPoint]] | None = None) -> None:
     """Decode TPOT vs decode batch, one panel per prefill count: the measured means with min-max
     bars over the 5 repeats (markers) beside the model (lines); then the append-length panel."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     ks = sorted({p.concurrent for p in points})
     panels = len(ks) + (1 if sensitivity_model is not None and sensitivity_measured is not None else 0)
@@ -374,6 +372,4 @@ def plot(points: Sequence[InterferencePoint], measured: dict[MeasuredKey, Measur
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)

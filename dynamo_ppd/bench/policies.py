@@ -57,6 +57,7 @@ from ..sim.routing import (
 )
 from ..workloads.generators import PAPER_QPS, PAPER_WORKLOADS, make_workload, paper_workload
 from ..workloads.manifest import to_sim
+from . import plots
 from .paper import simulate_point
 from .progress import Progress
 
@@ -440,10 +441,7 @@ def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0
 def plot(report: CompareReport, out_dir: Path, stem: str) -> list[Path]:
     """Pareto views per configuration and link: P99 turn-2 TTFT vs throughput, mean turn-2 TTFT
     vs TPOT (each policy's mean over the points)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     paths = []
     for config in sorted({p.config for p in report.points}):
@@ -473,11 +471,7 @@ def plot(report: CompareReport, out_dir: Path, stem: str) -> list[Path]:
                 ax.grid(alpha=0.3)
             axes[1].legend(fontsize=7, ncol=2)
             fig.suptitle(f"{config}, {link} link: every policy (lower-left is better on the right)")
-            fig.tight_layout()
-            path = out_dir / f"{stem}-{config.lower()}-{link}.png"
-            fig.savefig(path, dpi=100)
-            plt.close(fig)
-            paths.append(path)
+            paths.append(plots.save(fig, out_dir / f"{stem}-{config.lower()}-{link}.png", dpi=100))
     return paths
 
 
