@@ -9,9 +9,13 @@ default:
 serve graph="ppd" *args:
     exec uv run dynamo-ppd serve {{graph}} {{args}}
 
-# Run the test suite (real NATS, etcd and Dynamo processes on loopback).
+# Run the whole test suite, every tier (real NATS, etcd and Dynamo processes on loopback); CI runs this.
 test *args:
     uv run pytest {{args}}
+
+# The unit tier only (in process, no servers, each under ~5 s): run it after every change.
+test-fast *args:
+    uv run pytest -m "unit and not slow" -q {{args}}
 
 # Lint and type-check.
 lint:
@@ -20,11 +24,11 @@ lint:
 
 # Router decision latency, in process (p50/p99 over 100k decisions).
 bench-decisions *args:
-    uv run python -m dynamo_ppd.router.bench {{args}}
+    uv run python -m dynamo_ppd.bench.decisions {{args}}
 
 # TTFT the PPD router adds over Dynamo's frontend-native PD path, at low load.
 bench-overhead *args:
-    uv run python -m dynamo_ppd.router.bench_overhead {{args}}
+    uv run python -m dynamo_ppd.bench.overhead {{args}}
 
 # Multi-turn benchmark: `just bench compare --systems pd,cond-disagg,ppd --qps 1,4` (see --help).
 bench *args:
@@ -59,6 +63,6 @@ chaos *args:
     uv run dynamo-ppd chaos --out docs/chaos {{args}}
 
 # CPU per relayed token of the PPD router, a bare pass-through relay and Dynamo's frontend-native PD,
-# router replicas, TTFT at low load (see `python -m dynamo_ppd.router.bench_relay --help`).
+# router replicas, TTFT at low load (see `python -m dynamo_ppd.bench.relay --help`).
 bench-relay *args:
-    uv run python -m dynamo_ppd.router.bench_relay {{args}}
+    uv run python -m dynamo_ppd.bench.relay {{args}}

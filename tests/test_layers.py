@@ -199,13 +199,8 @@ def test_every_module_has_a_layer():
     assert [m for m in sorted(modules) if layer_of(m, LAYERS) is None] == []
 
 
-# Benchmarks still inside the router package, on their way into bench/ (issue 14); each entry
-# goes with its move. Nothing else may be added here.
-MOVING_TO_BENCH = ("dynamo_ppd.router.bench_overhead:", "dynamo_ppd.router.bench_relay:")
-
-
 def test_no_module_imports_from_a_higher_layer():
-    assert [v for v in upward_imports(PACKAGE, LAYERS) if not v.startswith(MOVING_TO_BENCH)] == []
+    assert upward_imports(PACKAGE, LAYERS) == []
 
 
 def test_no_package_cycle():

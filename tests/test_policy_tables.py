@@ -39,6 +39,8 @@ from dynamo_ppd.policy.table import (
 from dynamo_ppd.sim import conversation as sim
 from dynamo_ppd.workloads.generators import PAPER_QPS, PAPER_T1, PAPER_T2, paper_arrivals
 
+pytestmark = pytest.mark.unit
+
 TINY = GridSpec(
     context_classes=[ContextClass("small", 512, 320, (128, 128)),
                      ContextClass("large", None, 2112, (1024, 1024))],
@@ -179,6 +181,7 @@ def test_calibration_follows_observed_outcomes():
     assert calibration.apply(Route.DECODE_LOCAL, predicted) == predicted
 
 
+@pytest.mark.slow
 def test_online_correction_beats_the_pure_table_on_a_hot_decode_worker():
     from dynamo_ppd.bench.table_evaluate import MARGIN, compare, weighted
 
@@ -194,11 +197,11 @@ def test_online_correction_beats_the_pure_table_on_a_hot_decode_worker():
 
 
 def test_explain_agrees_with_the_router_decision(capsys):
+    from dynamo_ppd.bench import decisions
     from dynamo_ppd.cli import table as table_cli
-    from dynamo_ppd.router import bench
-    from dynamo_ppd.router.residency import prefix_chain
+    from dynamo_ppd.engine.blocks import prefix_chain
 
-    router, histories = bench.build(1, 2900, "ppd")
+    router, histories = decisions.build(1, 2900, "ppd")
     history_local = router._hash(histories[0], 32)
     blocks = [{"block_hash": 900 + i, "tokens_hash": h} for i, h in enumerate(history_local)]
     router.residency.apply(1, {"event_id": 9, "data": {"stored": {"parent_hash": None, "blocks": blocks}}})

@@ -3,7 +3,7 @@
 `python -m dynamo_ppd.router.passthrough` registers the public model like the PPD router does and
 forwards every request to a decode worker, decode-local (``x-bypass-remote-prefill``), yielding
 each of the worker's chunks unchanged: no sessions, no residency, no policy, no bookkeeping. It
-exists only for the relay benchmark (`just bench-relay`, `dynamo_ppd.router.bench_relay`): what
+exists only for the relay benchmark (`just bench-relay`, `dynamo_ppd.bench.relay`): what
 any Python Dynamo component in the data path costs per relayed token, so what the PPD router adds
 on top of it can be told apart from what Dynamo's bindings cost. Graph: `graphs/relay.yaml`.
 """

@@ -1,10 +1,13 @@
-"""Decision latency of the router, in process: `python -m dynamo_ppd.router.bench`.
+"""Decision latency of the router, in process: `just bench-decisions`
+(`python -m dynamo_ppd.bench.decisions`).
 
-Runs the router's real planning code (`PpdRouter._plan`: session lookup, Dynamo block hashing,
-residency lookups in the RadixTree, worker choice, the policy) for follow-up turns of many
-conversations whose histories the decode workers hold (their KV events applied beforehand), and
-prints percentiles. No network, no etcd: the session table is filled directly. The paper's proxy
-claims < 1 ms per decision; our goal is p99 < 100 us.
+Times the router's real decision path, `PpdRouter._plan`: Dynamo's block hashing of the prompt
+and its prefix ids, the session lookup (by the x-dynamo-session-id header, or by the longest
+known prefix), the residency index's answer for each worker (`router.residency`: a set lookup per
+block), the loads, and the pure `router.planner.plan` (placement and the policy), for follow-up
+turns of many conversations whose histories the decode workers hold (their KV events applied
+beforehand). Prints percentiles. No network, no etcd: the session table is filled directly. The
+paper's proxy claims < 1 ms per decision; our goal is p99 < 100 us.
 """
 
 from __future__ import annotations
@@ -16,11 +19,11 @@ import statistics
 import time
 
 from ..engine.blocks import dynamo_block_hasher, prefix_chain
-from .args import parse_args
-from .metrics import RouterMetrics
-from .router import PpdRouter
-from .service import build_policy
-from .sessions import SessionRecord, history_hashes
+from ..router.args import parse_args
+from ..router.metrics import RouterMetrics
+from ..router.router import PpdRouter
+from ..router.service import build_policy
+from ..router.sessions import SessionRecord, history_hashes
 
 
 class _Instances:
@@ -73,7 +76,7 @@ async def measure(router: PpdRouter, histories: list[list[int]], decisions: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.router.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.bench.decisions", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decisions", type=int, default=100_000, help="decisions to time")
     parser.add_argument("--sessions", type=int, default=1000, help="conversations known to the router")

@@ -1,5 +1,5 @@
 """TTFT the PPD router adds over Dynamo's frontend-native PD path, at low load:
-`python -m dynamo_ppd.router.bench_overhead`.
+`just bench-overhead` (`python -m dynamo_ppd.bench.overhead`).
 
 Brings up, one after the other, the `pd` graph (Dynamo's frontend does the prefill -> decode
 handoff itself) and the `ppd` graph with the router forced to the same route (`--mode pd`), both
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from ..bench.compare import ppd_graph_with_mode
 from ..launch import ServeOptions, start
 from ..launch.process import free_port
+from .compare import ppd_graph_with_mode
 
 
 def _ttft_ms(base_url: str, model: str, prompt: str, max_tokens: int) -> float:
@@ -66,7 +66,7 @@ def run(graph: str, requests: int, prompt_words: int, max_tokens: int, workdir: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.router.bench_overhead", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.bench.overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=100, help="timed requests per system")
     parser.add_argument("--prompt-words", type=int, default=200, help="words per prompt (fresh each)")

@@ -1,4 +1,4 @@
-"""What the relay hop costs: `just bench-relay` (`python -m dynamo_ppd.router.bench_relay`).
+"""What the relay hop costs: `just bench-relay` (`python -m dynamo_ppd.bench.relay`).
 
 The same load through (a) the PPD router (`graphs/ppd.yaml`), (b) the bare pass-through relay
 (`graphs/relay.yaml`, `router/passthrough.py`: every request decode-local, each chunk yielded
@@ -35,12 +35,12 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from ..bench.client import run_manifest
-from ..bench.compare import ppd_graph_with_mode
-from ..bench.cpu import process_cpu_s
 from ..launch import ServeOptions, start
 from ..launch.process import free_port
 from ..workloads.manifest import Manifest, ManifestConversation, ManifestHeader, ManifestTurn
+from .client import run_manifest
+from .compare import ppd_graph_with_mode
+from .cpu import process_cpu_s
 
 WORKLOAD = "syn-a-in32-out512"
 FIRST_TURN = (512, 128)  # (user tokens, max tokens)
@@ -271,7 +271,7 @@ def _floats(text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.router.bench_relay", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.bench.relay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default="ppd,relay,pd",
                         help=f"comma-separated, from {','.join(SYSTEMS)}")
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(f"# Relay benchmark\n\n`python -m dynamo_ppd.router.bench_relay "
+        args.markdown.write_text(f"# Relay benchmark\n\n`python -m dynamo_ppd.bench.relay "
                                  f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n{table}\n")
     if args.json:
         report = Report(WORKLOAD, [r.__dict__ for r in runs],

@@ -1,4 +1,4 @@
-"""What the session writes cost against a real etcd: `python -m dynamo_ppd.router.bench_sessions`.
+"""What the session writes cost against a real etcd: `python -m dynamo_ppd.bench.sessions`.
 
 A turn's record is written to etcd before the answer's stream ends (`EtcdSessions.commit`: one
 put and one lease keep-alive, concurrently), so it adds to end-of-stream latency, not to TTFT. A
@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .sessions import EtcdSessions, SessionRecord
+from ..router.sessions import EtcdSessions, SessionRecord
 
 
 async def measure(etcd_url: str, n: int) -> dict[str, list[float]]:
@@ -42,7 +42,7 @@ async def measure(etcd_url: str, n: int) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.router.bench_sessions", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.bench.sessions", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--etcd-url", help="an etcd to use (default: start one on loopback)")
     parser.add_argument("--sessions", type=int, default=500, help="sessions to write and read")
