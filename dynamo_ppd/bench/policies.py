@@ -43,7 +43,7 @@ from ..argtypes import comma_choices, positive_floats
 from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, link_preset, load_profile
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
-from ..policy.table import Weights, bundled_table, load_table, reweight
+from ..policy.table import CONFIGS, Weights, bundled_table, load_table, reweight
 from ..sim import Conversation, peers
 from ..sim.cluster import parse_config
 from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, Outcome
@@ -61,7 +61,6 @@ from . import plots
 from .paper import simulate_point
 from .progress import Progress
 
-CONFIGS = ("1P3D", "2P2D", "3P1D")
 LINKS = ("intra-node", "cross-node")
 CHAT_WORKLOADS = ("wildchat", "sharegpt")
 WEIGHTS = (1.0, 3.0, 6.0)  # w_tpot, with w_ttft 1

@@ -32,7 +32,7 @@ from ..argtypes import positive_floats
 from ..engine.profile import EngineProfile, ProfileError, load_profile
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
-from ..policy.table import Weights, bundled_table, load_table, reweight
+from ..policy.table import CONFIGS, Weights, bundled_table, load_table, reweight
 from ..sim.cluster import parse_config
 from ..sim.outcome import paper_columns
 from ..sim.routing import Router, paper_proxy_router, parse_paper_config
@@ -41,7 +41,6 @@ from . import paper_data as pdata
 from . import plots
 from .paper import PAPER_PROFILE, run_protocol
 
-CONFIGS = ("1P3D", "2P2D", "3P1D")
 # The measured x=0 / x=1 twins of our configurations (2P_2D and its twins are kept back).
 MEASURED = {"1P3D": ("1P_3D", "1P_3pD"), "3P1D": ("3P_1D", "3P_1pD")}
 DEFAULT_RATES = (1.0, 4.0, 10.0)

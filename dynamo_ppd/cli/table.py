@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..engine.profile import DEFAULT_PROFILE
 from ..policy.table import (
+    CONFIGS,
     PpdTable,
     TableError,
     Weights,
@@ -17,8 +18,6 @@ from ..policy.table import (
     reweight,
     save_table,
 )
-
-CONFIGS = ("1P3D", "2P2D", "3P1D")
 
 
 def weights_arg(text: str) -> Weights:

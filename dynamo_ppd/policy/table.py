@@ -155,6 +155,7 @@ def save_table(table: PpdTable, path: str | Path) -> None:
 
 
 TABLE_DIR = Path(__file__).parent / "tables"
+CONFIGS = ("1P3D", "2P2D", "3P1D")  # the paper's P:D splits of 4 GPUs: a table ships for each
 
 
 def bundled_table(config: str) -> Path:
