@@ -8,7 +8,7 @@ the paper's own workloads and protocol, each beside what the paper's measurement
 - Fig. 6: the w_tpot frontier (1P3D): the decode-local share the x=0/x=1 points imply at each
   weight (the paper's score), and our policy's share, TTFT and TPOT.
 
-Every point is one paper point (`workloads.paper_workload`: the authors' arrivals over 10 s,
+Every point is one paper point (`workloads.generators.paper_workload`: the authors' arrivals over 10 s,
 2 turns, 120 s timeout, cut at 600 s), summarized by the one outcome summary
 (`dynamo_ppd.sim.outcome.paper_columns`) into the measured data's columns, so both sides are
 read by the same code (`paper_data`). Points run in parallel processes. Writes
