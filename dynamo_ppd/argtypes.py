@@ -19,9 +19,12 @@ def positive_seconds(text: str) -> float:
 
 def positive_int(text: str) -> int:
     """An argparse type: an integer of at least 1."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
     return value
 
 

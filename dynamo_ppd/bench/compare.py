@@ -39,7 +39,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..argtypes import comma_choices, positive_floats, positive_seconds
+from ..argtypes import comma_choices, positive_floats, positive_int, positive_seconds
 from ..launch import ServeOptions, start
 from ..launch.graph import load_graph
 from ..launch.process import free_port
@@ -237,26 +237,6 @@ def write(results: res.BenchResults, out_dir: Path, quiet: bool = False) -> None
     print(f"\nwrote {out_dir / 'results.json'}, results.md and plots")
 
 
-def _rates(text: str) -> list[float]:
-    try:
-        rates = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of rates like 1,4,8") from None
-    if not rates or any(r <= 0 for r in rates):
-        raise argparse.ArgumentTypeError("rates must be positive")
-    return rates
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{compare,run,versus}")
     v = sub.add_parser("versus", help="two results files' shared points side by side (e.g. dilated "
@@ -274,7 +254,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "default wildchat")
         source.add_argument("--manifest", type=Path, help="a manifest JSONL file; its arrivals are "
                             "scaled to each --qps")
-        p.add_argument("--qps", type=_rates, default=[1.0], help="conversation arrival rates, e.g. 1,4,8")
+        p.add_argument("--qps", type=positive_floats("rates"), default=[1.0],
+                       help="conversation arrival rates, e.g. 1,4,8")
         p.add_argument("--seed", type=int, default=0, help="workload seed")
         p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
         workers = ("the simulated workers and router run at --speedup 1/N" if name == "compare"
@@ -292,9 +273,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            default=["pd", "cond-disagg", "ppd"],
                            help=f"comma-separated, from {','.join(SYSTEMS)}")
             p.add_argument("--config", default="1P3D", help="P:D split of the simulated cluster")
-            p.add_argument("--conversations", type=_count, default=200,
+            p.add_argument("--conversations", type=positive_int, default=200,
                            help="conversations per point: the sizing's pilot, or the size with --no-size")
-            p.add_argument("--max-conversations", type=_count, default=2000,
+            p.add_argument("--max-conversations", type=positive_int, default=2000,
                            help="the most conversations sizing may give a point")
             p.add_argument("--point-budget", type=positive_seconds, metavar="SECONDS",
                            help="the most wall seconds sizing may give a point (its model duration "

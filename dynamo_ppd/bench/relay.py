@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
+from ..argtypes import positive_floats
 from ..launch import ServeOptions, start
 from ..launch.process import free_port
 from ..workloads.manifest import Manifest, ManifestConversation, ManifestHeader, ManifestTurn
@@ -260,25 +261,16 @@ def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) ->
     return "\n".join(out)
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError("values must be positive")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.bench.relay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default="ppd,relay,pd",
                         help=f"comma-separated, from {','.join(SYSTEMS)}")
-    parser.add_argument("--rate", type=_floats, default=[2.0], help="conversation arrival rates (conv/s)")
+    parser.add_argument("--rate", type=positive_floats("rates"), default=[2.0],
+                        help="conversation arrival rates (conv/s)")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
     parser.add_argument("--repeats", type=int, default=2, help="runs per system and rate (fresh graph each)")
-    parser.add_argument("--router-replicas", type=_floats, default=[1.0],
+    parser.add_argument("--router-replicas", type=positive_floats("replica counts"), default=[1.0],
                         help="relay replica counts (PPD router and bare relay) to run, e.g. 1,2")
     parser.add_argument("--worker-speedup", type=float, default=1.0,
                         help="the simulated workers' --speedup (e.g. 20: tokens come 20x faster than real "

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..argtypes import positive_int
 from ..engine.profile import DEFAULT_PROFILE
 from ..policy.decision import Mode
 from .sessions import DEFAULT_MAX_SESSIONS
@@ -51,13 +52,6 @@ def _weights(text: str) -> tuple[float, float]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return weights.w_ttft, weights.w_tpot
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
 
 
 def _fraction(text: str) -> float:
@@ -108,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-ttl", type=float, default=3600.0,
                    help="seconds a session stays after its last turn (an etcd lease)")
     p.add_argument("--session-prefix", default="ppd", help="etcd key prefix of the sessions")
-    p.add_argument("--max-sessions", type=_positive, default=DEFAULT_MAX_SESSIONS,
+    p.add_argument("--max-sessions", type=positive_int, default=DEFAULT_MAX_SESSIONS,
                    help="sessions kept (locally and in etcd); past it the least recently used go "
                    "(ppd_sessions_evicted_total)")
     p.add_argument("--min-resident-fraction", type=_fraction, default=0.5,
