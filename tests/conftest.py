@@ -1,11 +1,16 @@
 """Shared fixtures: one model directory per test session, and `dynamo-ppd serve` runs as real
-subprocesses on free loopback ports."""
+subprocesses on free loopback ports. Also the test tiers: every test is exactly one of `unit`
+(in process: no subprocess, no server, no socket) or `e2e` (starts real processes or servers);
+`slow` marks anything over ~2 s, so that the rest of the unit tier runs in under 20 s.
+`just test-fast` runs `unit and not slow`, `just test` everything."""
 
 from __future__ import annotations
 
+import _posixsubprocess
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +20,59 @@ import pytest
 
 from dynamo_ppd import model
 from dynamo_ppd.launch.process import free_port, group_alive
+
+TIERS = ("unit", "e2e")
+# Fixtures that start processes: a test using one is e2e (an error if it is also marked unit).
+E2E_FIXTURES = {"serve_run"}
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked, both = [], []
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & E2E_FIXTURES and not item.get_closest_marker("e2e"):
+            item.add_marker(pytest.mark.e2e)
+        tiers = {name for name in TIERS if item.get_closest_marker(name)}
+        if not tiers:
+            unmarked.append(item.nodeid)
+        elif len(tiers) > 1:
+            both.append(item.nodeid)
+    # Fail the whole collection: a test outside the tiers would silently drop out of test-fast.
+    problems = [f"no tier (mark it unit or e2e): {n}" for n in unmarked]
+    problems += [f"both unit and e2e: {n}" for n in both]
+    if problems:
+        raise pytest.UsageError("test tiers (tests/conftest.py):\n  " + "\n  ".join(problems))
+
+
+def _refuse(what: str):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"a unit test {what}: mark it e2e, or keep it in process "
+                             "(tests/conftest.py)")
+    return refused
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_stay_in_process(request, monkeypatch):
+    """A `unit` test that starts a process or binds/connects an internet socket fails at once, so
+    the unit tier stays what `just test-fast` promises. Module and session fixtures are set up
+    before this runs and are not checked (a shared fixture of a unit module stays in process by
+    review)."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+    # fork_exec is what subprocess and multiprocessing's spawn call; fork is multiprocessing's fork.
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", _refuse("starts a process"))
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, _refuse("starts a process"))
+    for name in ("bind", "connect", "connect_ex"):
+        original = getattr(socket.socket, name)
+
+        def guarded(sock, address, *, _original=original, _name=name):
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                _refuse(f"opens a network socket ({_name} {address!r})")()
+            return _original(sock, address)
+        monkeypatch.setattr(socket.socket, name, guarded)
+
 
 
 @pytest.fixture(scope="session")

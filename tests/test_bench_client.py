@@ -15,6 +15,8 @@ from dynamo_ppd.bench.client import run_manifest
 from dynamo_ppd.bench.results import summarize
 from dynamo_ppd.workloads.manifest import Manifest, ManifestConversation, ManifestTurn
 
+pytestmark = pytest.mark.e2e
+
 FIRST_TOKEN_S = 0.080
 GAP_S = 0.020
 
@@ -131,6 +133,7 @@ def test_horizon_cuts_running_requests_and_leaves_them_out(stub):
     assert [s.conversation_id for s in point.samples] == ["short"]
 
 
+@pytest.mark.slow
 def test_bench_compare_two_systems_end_to_end(model_dir, tmp_path):
     """`bench compare` brings up pd and ppd on the simulated cluster at dilation 2 (workers and
     router at --speedup 0.5), plays the same manifest, simulates it on the virtual clock, and

@@ -14,6 +14,8 @@ from dynamo_ppd.bench.compare import per_rate, speedup_args
 from dynamo_ppd.sim.outcome import summarize as summarize_outcome
 from dynamo_ppd.workloads.generators import make_workload
 
+pytestmark = pytest.mark.unit
+
 
 def _lognormal(n_conv: int, seed: int, turns: int = 3, scale: float = 0.02) -> dict[str, list[float]]:
     rng = random.Random(seed)
@@ -106,6 +108,7 @@ def _point(system: str, qps: float, scale: float, sim_scale: float | None = None
                      dilation=8.0, conversations=120, samples=samples, sim_samples=sim)
 
 
+@pytest.mark.slow
 def test_markdown_gives_every_figure_and_ratio_an_interval():
     results = res.BenchResults(res.RESULTS_VERSION, "1P3D", [
         _point("pd", 4.0, 0.04), _point("cond-disagg", 4.0, 0.02, 1.0), _point("ppd", 4.0, 0.018, 1.05)])

@@ -27,6 +27,8 @@ from dynamo_ppd.workloads.manifest import (
     to_sim,
 )
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def sharegpt() -> Manifest:

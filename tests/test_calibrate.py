@@ -55,6 +55,7 @@ def synthetic(profile=TRUE, noise: float = 0.01, seed: int = 0) -> Measurements:
     return Measurements("synthetic", points)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fit_recovers_perturbed_constants(seed):
     result = calibrate(BASE, synthetic(seed=seed), name="fitted")
@@ -67,12 +68,14 @@ def test_fit_recovers_perturbed_constants(seed):
     assert result.profile.model == BASE.model and result.profile.engine == BASE.engine
 
 
+@pytest.mark.unit
 def test_noise_free_fit_is_exact():
     result = calibrate(BASE, synthetic(noise=0.0))
     assert result.after.max_rel_error < 1e-6
     assert result.profile.name == "h100-llama3.1-8b-calibrated"
 
 
+@pytest.mark.unit
 def test_decode_only_points_leave_compute_rates_unidentified():
     only_decode = Measurements("d", [p for p in synthetic().points if not p.prefill])
     result = calibrate(BASE, only_decode)
@@ -81,6 +84,7 @@ def test_decode_only_points_leave_compute_rates_unidentified():
     assert result.profile.cost.memory_bandwidth_efficiency == pytest.approx(0.80, rel=0.05)
 
 
+@pytest.mark.unit
 def test_impossible_speed_is_clamped_to_peak():
     fast = msgspec.structs.replace(TRUE, hardware=msgspec.structs.replace(
         TRUE.hardware, peak_memory_bandwidth_bytes_s=TRUE.hardware.peak_memory_bandwidth_bytes_s * 2))
@@ -105,11 +109,13 @@ def _point(**overrides) -> dict:
      r"\$.points\[3\]` has no work"),
     ([_point()] * 3, r"3 points cannot determine 4 constants"),
 ])
+@pytest.mark.unit
 def test_bad_points_name_the_field(points, message):
     with pytest.raises(CalibrationError, match=message):
         decode_measurements(json.dumps({"hardware": "x", "points": points}).encode(), "p.json")
 
 
+@pytest.mark.unit
 def test_missing_hardware_and_bad_json():
     with pytest.raises(CalibrationError, match="missing required field `hardware`"):
         decode_measurements(b'{"points": []}')
@@ -123,6 +129,7 @@ def _parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
+@pytest.mark.unit
 def test_cli_writes_a_loadable_profile(tmp_path, capsys):
     points = tmp_path / "points.json"
     points.write_bytes(msgspec.json.encode(synthetic()))
@@ -137,11 +144,13 @@ def test_cli_writes_a_loadable_profile(tmp_path, capsys):
     assert fitted.cost.gemm_flops_efficiency == pytest.approx(0.70, rel=0.05)
 
 
+@pytest.mark.unit
 def test_cli_reports_bad_files(tmp_path, capsys):
     assert main(_parse("--profile", "h100-llama3.1-8b", "--points", str(tmp_path / "none.json"))) == 2
     assert "cannot read measured points" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_gpu_script_tiny_cpu_run_feeds_the_fit(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "tiny.json"

@@ -14,6 +14,8 @@ from dynamo_ppd.engine.cost import vllm_uses_cascade
 from dynamo_ppd.engine.profile import EngineProfile
 from dynamo_ppd.engine.scheduler import Iteration
 
+pytestmark = pytest.mark.unit
+
 PAPER = load_profile("h100-llama3.1-8b-vllm-paper")
 CONTEXT = 2048
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dynamo_ppd.cli import main
+
+pytestmark = pytest.mark.e2e
 
 
 def test_chaos_decode_kill_smoke(model_dir, tmp_path):

@@ -7,6 +7,8 @@ import pytest
 from dynamo_ppd.chaos.client import _Answer, classify
 from dynamo_ppd.chaos.report import Fault, TurnRecord, analyze, decode_local, markdown, p99, passed
 
+pytestmark = pytest.mark.unit
+
 
 def turn(sent: float, *, local: bool | None = True, ttft: float = 0.1, status: str = "ok",
          turn_no: int = 2, conv: str = "c") -> TurnRecord:

@@ -17,6 +17,8 @@ from dynamo_ppd.sim.run import simulate
 from dynamo_ppd.workloads.generators import make_workload, paper_workload
 from dynamo_ppd.workloads.manifest import to_sim
 
+pytestmark = pytest.mark.unit
+
 PROFILE = load_profile()
 
 

@@ -82,6 +82,7 @@ def _engine(name: str) -> dict:
 # Engine configs
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["prefill.yaml", "decode.yaml"])
 def test_engine_config_is_llm_api_options(name):
     options = _engine(name)
@@ -98,6 +99,7 @@ def test_engine_config_is_llm_api_options(name):
     assert options["disable_overlap_scheduler"] is (name == "prefill.yaml")
 
 
+@pytest.mark.unit
 def test_engine_configs_agree_and_ship_in_the_chart():
     prefill, decode = _engine("prefill.yaml"), _engine("decode.yaml")
     assert prefill["cache_transceiver_config"] == decode["cache_transceiver_config"]
@@ -107,6 +109,7 @@ def test_engine_configs_agree_and_ship_in_the_chart():
             f"helm/dynamo-ppd/files/engine/{name} differs from deploy/engine/{name}; copy it over"
 
 
+@pytest.mark.unit
 def test_option_checker_catches_typos():
     errors = LLM_ARGS.llm_args_errors({"kv_cache_config": {"enable_blocks_reuse": True,
                                                            "free_gpu_memory_fraction": 1.5},
@@ -144,6 +147,7 @@ def _after_module(argv: list[str], module: str) -> list[str] | None:
     return None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("graph", TRTLLM_GRAPHS)
 def test_trtllm_graph_presets_pin_one_gpu_per_worker(graph, preset):
@@ -165,6 +169,7 @@ def test_trtllm_graph_presets_pin_one_gpu_per_worker(graph, preset):
         assert argv[argv.index("--model") + 1] == "<model_dir>"  # the prepared model directory
 
 
+@pytest.mark.e2e  # dry_run checks that the ports are free: it binds them
 @pytest.mark.parametrize("graph", TRTLLM_GRAPHS)
 def test_trtllm_graph_dry_run(graph):
     lines: list[str] = []
@@ -180,6 +185,7 @@ def _replicas_dict(text: str) -> dict[str, int]:
     return {k: int(v) for k, v in (item.split("=") for item in text.split(",") if item)}
 
 
+@pytest.mark.e2e
 def test_trtllm_graph_cli_dry_run():
     result = subprocess.run([sys.executable, "-m", "dynamo_ppd", "serve", "graphs/ppd-trtllm.yaml",
                              "--dry-run", "--replicas", GRAPH_REPLICAS["2p2d"]],
@@ -189,6 +195,7 @@ def test_trtllm_graph_cli_dry_run():
     assert "--disaggregation-mode prefill" in result.stdout
 
 
+@pytest.mark.unit
 def test_ppd_trtllm_router_flags_parse():
     commands = _graph_commands("ppd-trtllm")
     (router_argv, _), = [v for v in commands.values() if _after_module(v[0], "dynamo_ppd.router")]
@@ -280,6 +287,7 @@ def _parse_with_dynamo(commands: list[tuple[str, list[str]]]) -> list[dict]:
     return parsed
 
 
+@pytest.mark.e2e
 def test_trtllm_graph_flags_parse_with_dynamo():
     commands = []
     for graph in TRTLLM_GRAPHS:
@@ -298,11 +306,13 @@ def test_trtllm_graph_flags_parse_with_dynamo():
                for r in workers)
 
 
+@pytest.mark.e2e
 def test_flag_check_catches_unknown_worker_flags():
     with pytest.raises(AssertionError, match="does not accept"):
         _parse_with_dynamo([("trtllm", ["--disaggregation-mode", "prefill", "--publish-events-and-metric"])])
 
 
+@pytest.mark.e2e
 def test_flag_check_catches_unknown_engine_options(tmp_path):
     bad = tmp_path / "engine.yaml"
     bad.write_text(yaml.safe_dump(_engine("decode.yaml") | {"enable_chunked_prefil": True}))
@@ -384,11 +394,13 @@ def _router_args(docs: list[dict]):
     return build_parser().parse_args(main["args"])
 
 
+@pytest.mark.e2e
 def test_helm_version(helm):
     result = _helm(helm, "version", "--short")
     assert result.returncode == 0 and result.stdout.startswith("v"), result.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("preset", [None, *PRESETS])
 def test_helm_lint(helm, preset):
     extra = ["-f", str(CHART / "presets" / f"{preset}.yaml")] if preset else []
@@ -396,6 +408,7 @@ def test_helm_lint(helm, preset):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("preset", PRESETS)
 def test_helm_template_preset(helm, preset):
     docs = render(helm, "-f", str(CHART / "presets" / f"{preset}.yaml"))
@@ -459,6 +472,7 @@ def test_helm_template_preset(helm, preset):
     assert ports[endpoint["port"]] == router.metrics_port
 
 
+@pytest.mark.e2e
 def test_helm_values_reach_the_router(helm, tmp_path):
     docs = render(helm, "--set", "router.mode=fraction", "--set", "router.localFraction=0.25",
                   "--set", "router.weights=2\\,1", "--set", "router.sessionTtl=600",
@@ -504,6 +518,7 @@ def _with_local_engine_file(args: list[str], engine_cm: dict, tmp_path: Path) ->
     return args
 
 
+@pytest.mark.e2e
 def test_helm_rendered_frontend_and_worker_flags_parse_with_dynamo(helm, tmp_path):
     docs = render(helm, "-f", str(CHART / "presets" / "2p2d.yaml"),
                   "--set", "decode.engineOverrides.max_batch_size=128")
@@ -523,6 +538,7 @@ def test_helm_rendered_frontend_and_worker_flags_parse_with_dynamo(helm, tmp_pat
     assert decode["kv_cache_config"] == _engine("decode.yaml")["kv_cache_config"]
 
 
+@pytest.mark.e2e
 def test_helm_router_flag_check_catches_unknown_flags(helm):
     docs = render(helm, "--set", "router.extraArgs={--no-such-router-flag}")
     with pytest.raises(SystemExit):
@@ -535,6 +551,7 @@ def test_helm_router_flag_check_catches_unknown_flags(helm):
     (["--set", "prefill.engineConfig=missing.yaml"], "missing.yaml"),
     (["--set", "router.metricsProxy.enabled=true"], "metricsProxy"),  # the sidecar's old values
 ])
+@pytest.mark.e2e
 def test_helm_rejects_bad_values(helm, values, message):
     result = _helm(helm, "template", "ppd", str(CHART), *values)
     assert result.returncode != 0 and message in result.stderr, result.stderr
@@ -568,6 +585,7 @@ def _dashboard_exprs() -> list[str]:
     return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
 
 
+@pytest.mark.unit
 def test_dashboard_names_only_metrics_the_router_exports():
     exported = _exported_metrics()
     assert "ppd_decisions_total" in exported and "ppd_decision_seconds_bucket" in exported
@@ -589,6 +607,7 @@ def test_dashboard_names_only_metrics_the_router_exports():
     assert wanted <= used, f"dashboard lacks panels for {wanted - used}"
 
 
+@pytest.mark.unit
 def test_dashboard_check_catches_unknown_metrics():
     assert "ppd_decisions_totall" not in _exported_metrics()
 
@@ -597,6 +616,7 @@ def test_dashboard_check_catches_unknown_metrics():
 # Router image
 
 
+@pytest.mark.unit
 def test_dockerfile():
     text = (DEPLOY / "Dockerfile").read_text()
     pyproject = (ROOT / "pyproject.toml").read_text()
@@ -647,6 +667,7 @@ def _fake_hf_model(path: Path) -> Path:
     return path
 
 
+@pytest.mark.unit
 def test_prepare_model_makes_a_real_model_directory_servable(tmp_path):
     prepare = _load_script("prepare_model")
     model_dir = _fake_hf_model(tmp_path / "Llama-3.1-8B-Instruct")
@@ -660,6 +681,7 @@ def test_prepare_model_makes_a_real_model_directory_servable(tmp_path):
     assert (model_dir / "config.json").is_file()  # nothing of the model was touched
 
 
+@pytest.mark.unit
 def test_prepare_model_downloads_what_the_router_needs(tmp_path, monkeypatch):
     """The Helm chart's init container: a Hugging Face id, tokenizer files only (the hub is faked)."""
     import huggingface_hub
@@ -683,6 +705,7 @@ def test_prepare_model_downloads_what_the_router_needs(tmp_path, monkeypatch):
     assert ppd_model.load_model_info(out).served_model_name == "meta-llama/Llama-3.1-8B-Instruct"
 
 
+@pytest.mark.unit
 def test_prepare_model_refuses_to_write_into_unrelated_directories(tmp_path, capsys):
     prepare = _load_script("prepare_model")
     (tmp_path / "notes.txt").write_text("keep me")
@@ -700,6 +723,7 @@ def test_prepare_model_refuses_to_write_into_unrelated_directories(tmp_path, cap
 SMOKE = DEPLOY / "smoke.sh"
 
 
+@pytest.mark.e2e
 def test_smoke_script_is_valid_bash():
     result = subprocess.run(["bash", "-n", str(SMOKE)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -710,6 +734,7 @@ def test_smoke_script_is_valid_bash():
         assert result.returncode == 0, result.stdout
 
 
+@pytest.mark.unit
 def test_presets_agree_across_smoke_graphs_and_docs():
     smoke = SMOKE.read_text()
     docs = (DEPLOY / "README.md").read_text()
@@ -721,11 +746,13 @@ def test_presets_agree_across_smoke_graphs_and_docs():
                 assert replicas in (GRAPHS / f"{graph}.yaml").read_text(), (graph, preset)
 
 
+@pytest.mark.e2e
 def test_smoke_script_rejects_unknown_presets():
     result = subprocess.run(["bash", str(SMOKE), "9p9d"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "usage" in result.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("curl") is None, reason="deploy/smoke.sh sends its requests with curl")
 def test_smoke_script_passes_on_the_simulated_graph(model_dir, tmp_path):
     """The smoke script's whole path (serve, wait, 3 turns, cached tokens, router metrics, clean-up)

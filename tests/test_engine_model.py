@@ -24,6 +24,8 @@ from dynamo_ppd.engine import (
 )
 from dynamo_ppd.engine.handoff import HandoffError, TransferHandle, pack_params, unpack_params
 
+pytestmark = pytest.mark.unit
+
 PROFILE = load_profile()
 
 

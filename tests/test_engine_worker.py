@@ -125,6 +125,7 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(2000, 8000) for _ in range(n)]
 
 
+@pytest.mark.e2e
 def test_contract_and_kv_events(deployment):
     asyncio.run(_contract_and_kv_events(deployment))
 
@@ -181,6 +182,7 @@ async def _contract_and_kv_events(dep):
         assert len(await w.cached_blocks("decode")) <= D_CAPACITY_BLOCKS
 
 
+@pytest.mark.e2e
 def test_request_larger_than_cache_is_refused_with_a_message(deployment):
     async def run():
         async with Workers(deployment.endpoints) as w:
@@ -191,6 +193,7 @@ def test_request_larger_than_cache_is_refused_with_a_message(deployment):
     asyncio.run(run())
 
 
+@pytest.mark.e2e
 def test_cancelled_request_frees_the_engine(deployment):
     async def run():
         async with Workers(deployment.endpoints) as w:
@@ -218,6 +221,7 @@ def _local_hashes(tokens: list[int]) -> list[int]:
     return compute_block_hash_for_seq(tokens, BLOCK)
 
 
+@pytest.mark.unit
 def test_graph_files_run_the_simulated_worker():
     repo = Path(__file__).resolve().parent.parent
     for name in ("pd", "agg", "cond-disagg"):

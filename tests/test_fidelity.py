@@ -13,6 +13,8 @@ from dynamo_ppd.bench.paper_data import COLUMNS, bundled_points, by_key, parse_p
 from dynamo_ppd.cli import main as cli_main
 from dynamo_ppd.engine import load_profile
 
+pytestmark = pytest.mark.unit
+
 PROFILE = load_profile(paper.PAPER_PROFILE)
 
 

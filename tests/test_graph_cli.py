@@ -22,6 +22,7 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["pd", "agg", "cond-disagg", "pd-mocker", "agg-mocker"])
 def test_bundled_graphs_load(name):
     graph, path = load_graph(name)
@@ -29,6 +30,7 @@ def test_bundled_graphs_load(name):
     assert graph.frontend in [c.name for c in graph.components]
 
 
+@pytest.mark.unit
 def test_pd_graph_is_one_prefill_three_decode():
     graph, _ = load_graph("pd")
     replicas = {c.name: c.replicas for c in graph.components}
@@ -61,11 +63,13 @@ components:
     ("name: g\ncomponents: [\n", "not valid YAML"),
     (GOOD.replace("components:", "frontend: web\ncomponents:"), "frontend 'web' is not one of"),
 ])
+@pytest.mark.unit
 def test_invalid_graphs_name_the_problem(tmp_path, text, message):
     with pytest.raises(GraphError, match=message.replace("{", r"\{").replace("}", r"\}")):
         load_graph(str(_write(tmp_path, text)))
 
 
+@pytest.mark.e2e
 def test_cli_missing_graph_file(tmp_path):
     result = cli("serve", str(tmp_path / "nope.yaml"))
     assert result.returncode == 2
@@ -73,6 +77,7 @@ def test_cli_missing_graph_file(tmp_path):
     assert "nope.yaml does not exist" in result.stderr
 
 
+@pytest.mark.e2e
 def test_cli_unknown_graph_name_lists_known():
     result = cli("serve", "no-such-graph")
     assert result.returncode == 2
@@ -82,6 +87,7 @@ def test_cli_unknown_graph_name_lists_known():
     assert result.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.e2e
 def test_cli_bad_graph_file(tmp_path):
     result = cli("serve", str(_write(tmp_path, GOOD.replace("{http_port}", "{nope}"))))
     assert result.returncode == 2
@@ -89,6 +95,7 @@ def test_cli_bad_graph_file(tmp_path):
     assert result.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("flag", ["--http-port", "--nats-port", "--etcd-port"])
 def test_cli_port_in_use_names_it(model_dir, flag):
     with socket.socket() as holder:
@@ -103,6 +110,7 @@ def test_cli_port_in_use_names_it(model_dir, flag):
     assert result.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.e2e
 def test_cli_bad_port_value():
     result = cli("serve", "--http-port", "99999")
     assert result.returncode == 2 and "99999 is not a port" in result.stderr
@@ -111,6 +119,7 @@ def test_cli_bad_port_value():
 @pytest.mark.parametrize(("graph", "worker"), [("pd", "dynamo_ppd.worker"), ("agg", "dynamo_ppd.worker"),
                                              ("cond-disagg", "dynamo_ppd.worker"),
                                              ("pd-mocker", "dynamo.mocker"), ("agg-mocker", "dynamo.mocker")])
+@pytest.mark.e2e
 def test_dry_run_resolves_commands(graph, worker):
     result = cli("serve", graph, "--dry-run")
     assert result.returncode == 0, result.stderr
@@ -118,12 +127,14 @@ def test_dry_run_resolves_commands(graph, worker):
     assert not re.search(r"\{[a-z_]+\}", result.stdout.split("\n", 1)[1])  # placeholders filled
 
 
+@pytest.mark.e2e
 def test_dry_run_reports_missing_module(tmp_path):
     result = cli("serve", str(_write(tmp_path, GOOD.replace("dynamo.frontend", "dynamo.nope"))),
                  "--dry-run")
     assert result.returncode == 2 and "dynamo.nope" in result.stderr
 
 
+@pytest.mark.e2e
 def test_help_documents_serve():
     result = cli("serve", "--help")
     assert result.returncode == 0
@@ -131,6 +142,7 @@ def test_help_documents_serve():
         assert flag in result.stdout
 
 
+@pytest.mark.e2e
 def test_bench_rejects_bad_input_with_one_line():
     result = cli("bench", "compare", "--systems", "pd,nope")
     assert result.returncode == 2 and "unknown system 'nope'" in result.stderr
@@ -138,6 +150,7 @@ def test_bench_rejects_bad_input_with_one_line():
     assert result.returncode == 2 and "no-such-workload" in result.stderr
 
 
+@pytest.mark.e2e
 def test_engine_and_sim_commands_are_wired(tmp_path):
     profiles = cli("engine", "profiles")
     assert profiles.returncode == 0 and "h100-llama3.1-8b" in profiles.stdout

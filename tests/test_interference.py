@@ -15,6 +15,8 @@ from dynamo_ppd.bench import interference
 from dynamo_ppd.bench import interference_paper as paper
 from dynamo_ppd.engine import load_profile
 
+pytestmark = pytest.mark.unit
+
 BATCHES = (1, 100, 200)
 CONTEXTS = (2048, 8192, 32768)
 

@@ -10,6 +10,10 @@ from transformers import AutoTokenizer
 
 from dynamo_ppd import model
 
+pytestmark = pytest.mark.unit
+# The tests on `model_dir` are marked slow: the session's model directory trains its tokenizer
+# first (5-15 s on 2 cores), paid by whichever test asks for it first.
+
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
@@ -20,6 +24,7 @@ def _ids(encoded) -> list[int]:
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
+@pytest.mark.slow
 def test_config_is_llama31_8b_shaped(model_dir):
     config = json.loads((model_dir / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_attention_heads"],
@@ -30,6 +35,7 @@ def test_config_is_llama31_8b_shaped(model_dir):
     assert kv_bytes_per_token == 128 * 1024  # brief §3
 
 
+@pytest.mark.slow
 def test_tokenizer_vocab_and_specials(model_dir, tokenizer):
     info = model.load_model_info(model_dir)
     assert len(tokenizer) == info.vocab_size >= 4096
@@ -40,6 +46,7 @@ def test_tokenizer_vocab_and_specials(model_dir, tokenizer):
     assert info.generation_token_range[1] >= model.MOCKER_RANGE[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("id_range", ["mocker", "full"])
 def test_generated_ids_round_trip_through_next_turn(model_dir, tokenizer, id_range):
     """Ids a worker generates, detokenized and sent back as history, re-tokenize to the same ids,
@@ -67,6 +74,7 @@ def test_missing_model_dir_says_how_to_fix(tmp_path):
         model.load_model_info(tmp_path)
 
 
+@pytest.mark.slow
 def test_init_is_idempotent_and_validated(model_dir, tmp_path):
     before = (model_dir / "tokenizer.json").stat().st_mtime_ns
     assert model.init_model_dir(model_dir) == model_dir

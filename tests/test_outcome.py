@@ -27,6 +27,8 @@ from dynamo_ppd.sim.outcome import (
 from dynamo_ppd.sim.routing import pd_router
 from dynamo_ppd.sim.run import simulate
 
+pytestmark = pytest.mark.unit
+
 PROFILE = load_profile()
 PAPER_CSV = Path(__file__).resolve().parents[2] / "shared" / "paper-data" / "comprehensive.csv"
 

@@ -8,6 +8,8 @@ import pytest
 from dynamo_ppd.bench import paper_data as pdata
 from dynamo_ppd.workloads.generators import PAPER_QPS, PAPER_WORKLOADS
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def points() -> list[pdata.PaperPoint]:

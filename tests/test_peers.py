@@ -27,6 +27,8 @@ from dynamo_ppd.sim.routing import (
     make_router,
 )
 
+pytestmark = pytest.mark.unit
+
 BS = 32
 
 

@@ -18,6 +18,7 @@ def point(policy: str, ttft: float, tpot: float, success: float = 100.0) -> Poli
                        1000.0, 0.0)
 
 
+@pytest.mark.unit
 def test_the_score_is_the_papers_and_a_missed_success_bar_loses_whatever_the_latencies():
     a, b = point("a", 0.05, 0.010), point("b", 0.10, 0.010)
     assert score(a, b, w_tpot=1) == pytest.approx(0.5)  # half the TTFT, same TPOT
@@ -29,6 +30,7 @@ def test_the_score_is_the_papers_and_a_missed_success_bar_loses_whatever_the_lat
     assert score(failing, b, w_tpot=1) == -math.inf and score(b, failing, w_tpot=1) == math.inf
 
 
+@pytest.mark.unit
 def test_a_policy_is_scored_against_the_best_other_and_other_weights_of_ppd_are_left_out():
     group = [point("x0", 0.10, 0.010), point("x1", 0.05, 0.0105), point("ppd@1", 0.05, 0.0100),
              point("ppd@6", 0.01, 0.02)]
@@ -50,11 +52,13 @@ def test_a_policy_is_scored_against_the_best_other_and_other_weights_of_ppd_are_
     assert versus["x1"].median_score == pytest.approx(0.05 / 1.05, rel=1e-3)
 
 
+@pytest.mark.unit
 def test_configurations_for_replicas_and_hybrids_use_the_same_gpus():
     assert policies.replica_config("1P3D") == "4R" and policies.replica_config("3P1D") == "4R"
     assert policies.hybrid_config("1P3D") == "1R_1P_2D" and policies.hybrid_config("3P1D") == "1R_2P_1D"
 
 
+@pytest.mark.e2e  # sim compare simulates in a process pool, even at --jobs 1
 def test_sim_compare_writes_its_report(tmp_path):
     out = tmp_path / "pol"
     assert cli_main(["sim", "compare", "--configs", "1P3D", "--links", "cross-node",
@@ -72,11 +76,13 @@ def test_sim_compare_writes_its_report(tmp_path):
     assert "1P_3pD 34 wins, 5 ties, 141 losses" in text  # the measured 4R against P/D, from the data
 
 
+@pytest.mark.unit
 def test_unknown_policies_exit_2(capsys, tmp_path):
     assert cli_main(["sim", "compare", "--policies", "x0,nope", "--out", str(tmp_path / "p")]) == 2
     assert "unknown policies nope" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_reuse_keeps_earlier_points_and_runs_only_what_is_missing(tmp_path):
     first = tmp_path / "a"
     common = ["sim", "compare", "--configs", "1P3D", "--links", "intra-node", "--workloads", "small_tiny",
@@ -91,6 +97,7 @@ def test_reuse_keeps_earlier_points_and_runs_only_what_is_missing(tmp_path):
     assert next(p for p in points if p["policy"] == "x0") == earlier
 
 
+@pytest.mark.e2e
 def test_specs_that_simulate_the_same_cluster_share_one_run(tmp_path, capsys):
     def key(config: str, link: str, policy: str):
         spec = policies.CompareSpec("h100-llama3.1-8b", config, link, "small_tiny", 1.0, policy)

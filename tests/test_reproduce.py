@@ -8,6 +8,8 @@ import pytest
 from dynamo_ppd.bench import paper_data as pdata
 from dynamo_ppd.bench import reproduce as rep
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_point_is_the_papers_protocol_in_the_datas_columns():
     x0 = rep.run(rep.Spec("h100-llama3.1-8b", "1P3D", "x0", "small_mid_bal", 2.0))

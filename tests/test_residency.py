@@ -7,11 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from dynamo_ppd.engine.blocks import prefix_chain
 from dynamo_ppd.router import kv_sync
 from dynamo_ppd.router.kv_sync import KvSync, SilenceWatch
 from dynamo_ppd.router.metrics import RouterMetrics
 from dynamo_ppd.router.residency import Residency
+
+pytestmark = pytest.mark.unit
 
 TOKENS = [101, 102, 103, 104, 105, 106]  # token hashes of six consecutive blocks
 CHAIN = prefix_chain(TOKENS)

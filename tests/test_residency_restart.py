@@ -14,6 +14,8 @@ from test_router import chat, decisions, deploy, metrics
 
 from dynamo_ppd.launch.servers import live_dynamo_keys, revoke_leases
 
+pytestmark = pytest.mark.e2e
+
 SYSTEM = "You are the harbour master of a busy port; answer with care and precision. " * 40
 
 
@@ -63,6 +65,7 @@ def follow_ups(dep, histories: dict[str, list[dict]]) -> None:
                       histories.items()))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_follow_ups_stay_decode_local_across_a_router_restart(model_dir, tmp_path):
     # --mode local: every follow-up whose history its decode worker holds runs there, so the route
@@ -87,6 +90,7 @@ def test_follow_ups_stay_decode_local_across_a_router_restart(model_dir, tmp_pat
         dep.stop()
 
 
+@pytest.mark.slow
 def test_a_decode_worker_without_kv_events_is_reported_once(model_dir, tmp_path):
     """A TensorRT-LLM decode worker started without --publish-kv-events: every follow-up goes through
     prefill; the router says so, once, in its log and in a metric."""

@@ -17,6 +17,8 @@ from dynamo_ppd.launch.process import free_port, stop_all
 from dynamo_ppd.launch.servers import etcd_process
 from dynamo_ppd.router.sessions import decode as decode_session
 
+pytestmark = pytest.mark.e2e
+
 GRAPH = """
 name: ppd-test
 namespace: workers
@@ -202,6 +204,7 @@ def test_bad_requests_get_4xx_with_a_message_and_nothing_breaks(ppd):
     assert chat(ppd, [{"role": "user", "content": "still fine?"}], "after-errors")["usage"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "local_follow_ups"), [("pd", 0), ("local", 2)])
 def test_static_modes(model_dir, tmp_path, mode, local_follow_ups):
     dep = deploy(tmp_path, model_dir, mode=mode, decode=2)
@@ -213,6 +216,7 @@ def test_static_modes(model_dir, tmp_path, mode, local_follow_ups):
         dep.stop()
 
 
+@pytest.mark.slow
 def test_evicted_history_goes_through_prefill(model_dir, tmp_path):
     dep = deploy(tmp_path, model_dir, mode="local", decode=1, decode_args=("--kv-capacity-blocks", "80"))
     try:
@@ -231,6 +235,7 @@ def test_evicted_history_goes_through_prefill(model_dir, tmp_path):
         dep.stop()
 
 
+@pytest.mark.slow
 def test_dead_decode_worker_rehomes_the_next_turn(model_dir, tmp_path):
     dep = deploy(tmp_path, model_dir, mode="local", decode=2)
     try:
@@ -263,6 +268,7 @@ def _log(proc) -> str:
     return Path(proc.log_path).read_text(errors="replace")
 
 
+@pytest.mark.slow
 def test_two_router_replicas_keep_a_conversation_on_one_decode_worker(model_dir, tmp_path):
     dep = deploy(tmp_path, model_dir, mode="local", decode=3, routers=2)
     try:
@@ -284,6 +290,7 @@ def metrics_one(url: str) -> dict[str, float]:
     return {"decisions": total}
 
 
+@pytest.mark.slow
 def test_etcd_outage_routing_continues_and_sessions_resync(model_dir, tmp_path):
     data = tmp_path / "sessions-etcd"
     port = free_port()
@@ -324,6 +331,7 @@ def test_etcd_outage_routing_continues_and_sessions_resync(model_dir, tmp_path):
         stop_all([etcd])
 
 
+@pytest.mark.slow
 def test_live_table_build_drives_the_router_forced_routes(model_dir, tmp_path):
     from dynamo_ppd.bench.table_live import build_live_table
     from dynamo_ppd.policy.grid import ContextClass, GridSpec, WorkloadClass

@@ -12,6 +12,8 @@ import pytest
 from dynamo_ppd.router import dispatch
 from dynamo_ppd.router.dispatch import coalesced, merge_waiting
 
+pytestmark = pytest.mark.unit
+
 END = {"token_ids": [9], "index": 0, "finish_reason": "length",
        "completion_usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}}
 

@@ -18,6 +18,8 @@ import httpx
 import pytest
 from test_router import _log, chat, deploy, metrics, sessions_in
 
+pytestmark = pytest.mark.e2e
+
 TOKENS = 400
 
 

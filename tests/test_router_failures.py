@@ -12,6 +12,8 @@ from test_router_dispatch import D1, D2, PREFILL, FakeClient, hold, make_router,
 
 from dynamo_ppd.router.limits import RequestLimits, parse_card
 
+pytestmark = pytest.mark.unit
+
 
 class Scripted(FakeClient):
     """A decode client whose workers misbehave as told: ``reject`` raise the worker's validation

@@ -13,6 +13,8 @@ import httpx
 import pytest
 from test_router import _log, chat, deploy, metrics, sessions_in
 
+pytestmark = pytest.mark.e2e
+
 
 def requests_seen_by_workers(dep) -> float:
     """Requests every worker's generate endpoint received (Dynamo's own per-endpoint counter)."""

@@ -23,6 +23,8 @@ from dynamo_ppd.policy.decision import (
 from dynamo_ppd.router.residency import Residency
 from dynamo_ppd.router.sessions import SessionRecord, decode, encode
 
+pytestmark = pytest.mark.unit
+
 IDLE = WorkerLoad()
 
 

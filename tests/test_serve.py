@@ -16,6 +16,8 @@ import pytest
 from dynamo_ppd.launch.process import ManagedProcess, free_port, stop_all
 from dynamo_ppd.launch.servers import etcd_process, live_dynamo_keys
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def own_etcd(tmp_path):

@@ -38,6 +38,7 @@ def find(table: SessionTable, prompt: list[int], **kw) -> str | None:
 SYSTEM = list(range(1000, 1000 + 10 * BS))  # a shared 320-token system prompt: ten full blocks
 
 
+@pytest.mark.unit
 def test_a_shared_system_prompt_never_merges_two_users():
     # A's history: the system prompt, then a short exchange (its only full blocks are shared).
     a_history = SYSTEM + [1, 2, 3, 4, 5, 6, 7]
@@ -48,6 +49,7 @@ def test_a_shared_system_prompt_never_merges_two_users():
     assert find(table, a_history + [50, 51, 52]) == "auto-a"  # A's own follow-up still matches
 
 
+@pytest.mark.unit
 def test_the_longest_whole_history_wins_and_a_next_turn_replaces_its_own_entry():
     table = SessionTable(BS)
     short = SYSTEM + list(range(5000, 5040))
@@ -63,6 +65,7 @@ def test_the_longest_whole_history_wins_and_a_next_turn_replaces_its_own_entry()
     assert find(table, longer + [1]) == "auto-long"
 
 
+@pytest.mark.unit
 def test_index_entries_are_removed_only_by_their_owner():
     table = SessionTable(BS)
     same = SYSTEM + [1, 2, 3]
@@ -76,6 +79,7 @@ def test_index_entries_are_removed_only_by_their_owner():
     assert find(table, same + [9]) == "auto-a"
 
 
+@pytest.mark.unit
 def test_header_sessions_and_forks_are_matched_only_within_their_id():
     table = SessionTable(BS)
     history = SYSTEM + list(range(3000, 3050))
@@ -86,6 +90,7 @@ def test_header_sessions_and_forks_are_matched_only_within_their_id():
     assert find(table, SYSTEM + [8, 8, 8, 1], accept=lambda s: s.startswith("bob#")) is None
 
 
+@pytest.mark.unit
 def test_continues_needs_the_whole_history():
     table = SessionTable(BS)
     history = SYSTEM + [1, 2, 3, 4]
@@ -97,6 +102,7 @@ def test_continues_needs_the_whole_history():
     assert table.continues(SessionRecord("claimed"), [], [1])  # no history yet: any prompt
 
 
+@pytest.mark.unit
 def test_the_table_is_bounded_least_recently_used_first():
     evicted = []
     table = SessionTable(BS, max_sessions=3, on_evict=evicted.append)
@@ -111,6 +117,7 @@ def test_the_table_is_bounded_least_recently_used_first():
     assert table.expire(now=10_000.0, ttl_s=60) == 3 and len(table) == 0  # all idle since t=0
 
 
+@pytest.mark.e2e  # fresh Python processes, each with its own hash seed
 def test_history_hashes_are_the_same_in_every_process():
     """Replicas compare each other's records: no salted (str/bytes) hashing may enter them."""
     import os
@@ -127,6 +134,7 @@ def test_history_hashes_are_the_same_in_every_process():
     assert outs == {f"{history_hashes(chain_of(history), history, BS)}\n"}
 
 
+@pytest.mark.unit
 def test_session_ids_are_bounded():
     from dynamo.llm.exceptions import InvalidArgument
 
@@ -137,6 +145,7 @@ def test_session_ids_are_bounded():
 
 
 # -- the router's lookup, in process (scripted workers, no etcd) ---------------------------------
+@pytest.mark.unit
 def test_a_turn_that_does_not_continue_its_session_is_a_fork_and_leaves_the_owner_alone():
     from test_router_dispatch import D1, D2, hold, make_router, turn
 
@@ -167,6 +176,7 @@ def test_a_turn_that_does_not_continue_its_session_is_a_fork_and_leaves_the_owne
     asyncio.run(run())
 
 
+@pytest.mark.unit
 def test_a_long_session_id_is_a_400_before_any_work():
     from dynamo.llm.exceptions import InvalidArgument
     from test_router_dispatch import make_router, turn
@@ -181,6 +191,7 @@ def test_a_long_session_id_is_a_400_before_any_work():
     asyncio.run(run())
 
 
+@pytest.mark.unit
 def test_with_etcd_away_a_header_miss_is_routed_by_residency():
     """A follow-up whose previous turn another replica recorded while etcd was away: this
     replica has no record, but the decode worker holding most of its prompt takes it."""
@@ -201,6 +212,7 @@ def test_with_etcd_away_a_header_miss_is_routed_by_residency():
     asyncio.run(run())
 
 
+@pytest.mark.unit
 def test_the_request_rate_is_the_sum_of_the_replicas_fresh_rates():
     from dynamo_ppd.policy.qps import SlidingWindowRate
     from dynamo_ppd.router.rate_share import RateReport, SharedRate

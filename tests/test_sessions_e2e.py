@@ -10,11 +10,14 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from test_router import chat, decisions, deploy, metrics, prefill_tokens_by_decode, sessions_in
 
+pytestmark = pytest.mark.e2e
 SYSTEM = "You are a careful assistant for harbour logistics. Answer briefly and cite the log. " * 62
 
 
+@pytest.mark.slow
 def test_two_users_with_the_same_1000_token_system_prompt_and_no_header_are_never_merged(model_dir,
                                                                                            tmp_path):
     dep = deploy(tmp_path, model_dir, mode="local", decode=3)
@@ -65,6 +68,7 @@ def _router_decisions(dep) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_turns_alternating_between_two_router_replicas_stay_on_their_decode_worker(model_dir, tmp_path,
                                                                                   monkeypatch):
     import test_router

@@ -13,6 +13,8 @@ from dynamo_ppd.launch.process import free_port, stop_all
 from dynamo_ppd.launch.servers import etcd_process
 from dynamo_ppd.router.sessions import EtcdSessions, SessionRecord, encode
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def etcd_url(tmp_path_factory):

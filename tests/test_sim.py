@@ -31,6 +31,8 @@ from dynamo_ppd.sim.routing import (
 )
 from dynamo_ppd.sim.run import RequestRecord, SimResult, simulate
 
+pytestmark = pytest.mark.unit
+
 PROFILE = load_profile()
 KV_BYTES = PROFILE.model.kv_bytes_per_token
 BLOCK = PROFILE.engine.block_size

@@ -22,6 +22,8 @@ from dynamo_ppd.sim.routing import (
     pd_router,
 )
 
+pytestmark = pytest.mark.unit
+
 PROFILE = load_profile()
 
 

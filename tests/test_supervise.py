@@ -32,10 +32,12 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.unit
 def test_backoff_doubles_up_to_a_cap():
     assert [backoff_s(n) for n in (1, 2, 3, 4, 5, 6, 9)] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
 
 
+@pytest.mark.e2e
 def test_supervisor_restarts_a_killed_process_with_the_same_argv(tmp_path):
     procs = [sleeper(tmp_path, "a"), sleeper(tmp_path, "b")]
     for p in procs:
@@ -72,6 +74,7 @@ def test_supervisor_restarts_a_killed_process_with_the_same_argv(tmp_path):
         sup.join()
 
 
+@pytest.mark.e2e
 def test_unsupervised_processes_stay_down_but_restart_on_request(tmp_path):
     procs = [sleeper(tmp_path, "a")]
     procs[0].start()
@@ -117,6 +120,8 @@ def chat_ok(base_url: str) -> bool:
         return False
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_serve_supervise_with_ctl_kill_and_restart(serve_run):
     run = serve_run("ppd", "--supervise", "--replicas", "decode=2")
     record = run.wait_ready()

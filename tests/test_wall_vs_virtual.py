@@ -8,12 +8,16 @@ import os
 import statistics
 import time
 
+import pytest
+
 from dynamo_ppd.engine import load_profile
 from dynamo_ppd.launch import ServeOptions, start
 from dynamo_ppd.launch.process import free_port
 from dynamo_ppd.launch.servers import dynamo_env
 from dynamo_ppd.sim import Cluster, Conversation, Turn, agg_router, simulate
 from dynamo_ppd.sim.conversation import ConversationPrompts
+
+pytestmark = pytest.mark.e2e
 
 # Modeled time runs at a quarter of real speed, so the few milliseconds the request plane and
 # the Python handler add to each request on a busy 2-core machine (which the model does not
@@ -81,6 +85,7 @@ async def _live(endpoints) -> dict[tuple[str, int], tuple[float, float]]:
     return results
 
 
+@pytest.mark.slow
 def test_wall_clock_worker_agrees_with_virtual_clock_simulation(model_dir, tmp_path):
     graph = tmp_path / "wall.yaml"
     graph.write_text(GRAPH)
