@@ -120,22 +120,17 @@ def _add_sim(sub) -> None:
     from ..bench import fidelity, interference, paper, policies
     from . import sim as run
 
-    run.add_arguments(ssub.add_parser(
-        "run", help="simulate a multi-turn workload on a P/D cluster with a routing mode",
-        description=run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
-    interference.add_arguments(ssub.add_parser(
-        "interference", help="decode slowdown under full vs append prefills (paper Fig. 2/7/8)",
-        description=interference.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
-    paper.add_arguments(ssub.add_parser(
-        "paper", help="the paper authors' benchmark on a simulated configuration, as their CSV's columns",
-        description=paper.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
-    fidelity.add_arguments(ssub.add_parser(
-        "fidelity", help="simulated vs the paper's measured H100 points: errors, success, decode-local share",
-        description=fidelity.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
-    policies.add_arguments(ssub.add_parser(
-        "compare", help="every P/D policy (ours, the peers', fixed rules) on one simulated cluster: "
-        "wins, ties, losses",
-        description=policies.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    commands = [
+        ("run", run, "simulate a multi-turn workload on a P/D cluster with a routing mode"),
+        ("interference", interference, "decode slowdown under full vs append prefills (paper Fig. 2/7/8)"),
+        ("paper", paper, "the paper authors' benchmark on a simulated configuration, as their CSV's columns"),
+        ("fidelity", fidelity, "simulated vs the paper's measured H100 points: errors, success, "
+         "decode-local share"),
+        ("compare", policies, "every P/D policy (ours, the peers', fixed rules) on one simulated cluster: "
+         "wins, ties, losses")]
+    for name, module, help_text in commands:
+        module.add_arguments(ssub.add_parser(name, help=help_text, description=module.__doc__,
+                                             formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def _add_table(sub) -> None:
