@@ -1,10 +1,11 @@
-"""The PPD router component: Dynamo I/O around the pure policy.
+"""The PPD router component: Dynamo I/O around the pure planner (`planner.plan`).
 
 Per request: find the conversation's session (header, else longest known prefix), ask the
-residency index how much of the prompt its decode worker (D) and each prefill worker (P) hold,
-decide with the policy, dispatch (via P then D, or decode-local on D), stream the answer, and
-record the turn in the session. Workers that vanish are routed around: a gone D re-homes the
-turn through a P to another D; a gone P makes the turn decode-local when D holds the prefix.
+residency index how much of the prompt each worker holds and read the loads, let the planner
+decide (workers and route, with the policy), dispatch (via P then D, or decode-local on D),
+stream the answer, and record the turn in the session. Workers that vanish are routed around: a
+gone D re-homes the turn through a P to another D; a gone P makes the turn decode-local when D
+holds the prefix (`planner.rehome`).
 """
 
 from __future__ import annotations
@@ -509,13 +510,14 @@ class PpdRouter:
 
 @dataclass
 class _Plan:
-    """One request's route and the workers it uses (a re-home changes them)."""
+    """One request's route and the workers it uses while it runs (a `planner.Plan` to start with;
+    a re-home changes them)."""
 
     session_id: str
     turn: int
     prompt_tokens: int
     local_hashes: list[int]  # Dynamo's per-block token hashes of the prompt
-    chained: list[int] | None  # prefix ids (`residency.prefix_chain`) of the prompt's full blocks
+    chained: list[int] | None  # prefix ids (`blocks.prefix_chain`) of the prompt's full blocks
     decision: Decision = Decision(Route.VIA_PREFILL, "undecided")
     prefill: int | None = None
     decode: int = 0  # the decode (or aggregated) worker
