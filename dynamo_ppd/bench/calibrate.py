@@ -321,10 +321,3 @@ def main(args: argparse.Namespace) -> int:
         args.out.write_bytes(header.encode() + dump_profile(result.profile))
         print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.bench.calibrate", description=__doc__,
-                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))

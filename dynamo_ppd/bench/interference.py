@@ -343,66 +343,59 @@ def _write_json(path: Path, result: InterferenceResult) -> None:
     print(f"wrote {path}")
 
 
-def _main_paper(args: argparse.Namespace, profile: EngineProfile) -> int:
+def _run_paper(args: argparse.Namespace, profile: EngineProfile):
+    """The paper protocol's points, report lines and figure."""
     started = time.monotonic()
-    try:
-        measured = paper.load_measured()
-        points = sweep_paper(
-            profile, batches=paper.QUICK_BATCHES if args.quick else paper.BATCHES,
-            prefill_counts=paper.QUICK_PREFILL_COUNTS if args.quick else paper.PREFILL_COUNTS)
-    except ValueError as exc:
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"interference (paper protocol) on {profile.name}: decode requests of {paper.CONTEXT_TOKENS} "
-          f"cached + {paper.DECODE_NEW_TOKENS} new tokens, {paper.OUTPUT_TOKENS} out, sent with full "
-          f"{paper.FULL_TOKENS} / append {paper.APPEND_TOKENS} prefills; measured: the authors' H100 "
-          f"means over 5 repeats ({time.monotonic() - started:.1f} s)")
-    print(paper.format_table(points, measured))
-    for line in paper.done_when(points, measured):
-        print(line)
-    if args.json:
-        _write_json(args.json, InterferenceResult(profile.name, points, "paper"))
-    if args.png:
+    measured = paper.load_measured()
+    points = sweep_paper(
+        profile, batches=paper.QUICK_BATCHES if args.quick else paper.BATCHES,
+        prefill_counts=paper.QUICK_PREFILL_COUNTS if args.quick else paper.PREFILL_COUNTS)
+    lines = [f"interference (paper protocol) on {profile.name}: decode requests of {paper.CONTEXT_TOKENS} "
+             f"cached + {paper.DECODE_NEW_TOKENS} new tokens, {paper.OUTPUT_TOKENS} out, sent with full "
+             f"{paper.FULL_TOKENS} / append {paper.APPEND_TOKENS} prefills; measured: the authors' H100 "
+             f"means over 5 repeats ({time.monotonic() - started:.1f} s)",
+             paper.format_table(points, measured), *paper.done_when(points, measured)]
+
+    def draw(path: Path) -> None:
         sensitivity_model = None if args.quick else paper.sensitivity(profile)
-        paper.plot(points, measured, args.png, f"decode interference, paper protocol: {profile.name} "
+        paper.plot(points, measured, path, f"decode interference, paper protocol: {profile.name} "
                    "(engine model, lines) vs the authors' H100 (markers)", sensitivity_model,
                    paper.load_sensitivity())
-        print(f"wrote {args.png}")
-    return 0
+
+    return points, lines, draw
+
+
+def _run_closed_loop(args: argparse.Namespace, profile: EngineProfile):
+    """The closed loop's points, report lines and figure."""
+    started = time.monotonic()
+    points = sweep(profile, batches=QUICK_BATCHES if args.quick else BATCHES,
+                   contexts=QUICK_CONTEXTS if args.quick else CONTEXTS,
+                   decode_context=args.decode_context, context_batch=args.context_batch)
+    lines = [f"interference (closed loop) on {profile.name}: decode context {args.decode_context} tokens; "
+             f"batch sweep full {BATCH_SWEEP_CONTEXT} vs append {APPEND_TOKENS} onto {BATCH_SWEEP_CONTEXT} "
+             f"cached; context sweep at decode batch {args.context_batch}, 1 prefill client "
+             f"({time.monotonic() - started:.1f} s)", format_table(points, args.context_batch)]
+
+    def draw(path: Path) -> None:
+        plot(points, path, f"decode interference, closed loop: {profile.name} (engine model)",
+             args.context_batch)
+
+    return points, lines, draw
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         profile = load_profile(args.profile)
-    except ProfileError as exc:
+        run = _run_paper if args.protocol == "paper" else _run_closed_loop
+        points, lines, draw = run(args, profile)
+    except (ProfileError, ValueError) as exc:  # a bad profile, or a sweep it cannot run
         print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
         return 2
-    if args.protocol == "paper":
-        return _main_paper(args, profile)
-    started = time.monotonic()
-    try:
-        points = sweep(profile, batches=QUICK_BATCHES if args.quick else BATCHES,
-                       contexts=QUICK_CONTEXTS if args.quick else CONTEXTS,
-                       decode_context=args.decode_context, context_batch=args.context_batch)
-    except ValueError as exc:
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"interference (closed loop) on {profile.name}: decode context {args.decode_context} tokens; "
-          f"batch sweep full {BATCH_SWEEP_CONTEXT} vs append {APPEND_TOKENS} onto {BATCH_SWEEP_CONTEXT} "
-          f"cached; context sweep at decode batch {args.context_batch}, 1 prefill client "
-          f"({time.monotonic() - started:.1f} s)")
-    print(format_table(points, args.context_batch))
+    for line in lines:
+        print(line)
     if args.json:
-        _write_json(args.json, InterferenceResult(profile.name, points, "closed-loop"))
+        _write_json(args.json, InterferenceResult(profile.name, points, args.protocol))
     if args.png:
-        plot(points, args.png, f"decode interference, closed loop: {profile.name} (engine model)",
-             args.context_batch)
+        draw(args.png)
         print(f"wrote {args.png}")
     return 0
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.bench.interference", description=__doc__,
-                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))
