@@ -32,7 +32,7 @@ def test_config_is_llama31_8b_shaped(model_dir):
             config["torch_dtype"]) == (32, 32, 8, 128, 4096, "bfloat16")
     kv_bytes_per_token = (2 * config["num_key_value_heads"] * config["head_dim"] * 2
                           * config["num_hidden_layers"])
-    assert kv_bytes_per_token == 128 * 1024  # brief §3
+    assert kv_bytes_per_token == 128 * 1024  # 128 KiB per token (README, "The local model directory")
 
 
 @pytest.mark.slow

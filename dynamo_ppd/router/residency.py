@@ -36,7 +36,7 @@ REPLAY_EVENTS = 2048  # per worker: events a rebuild replays over the worker's d
 
 def kv_events_subject(namespace: str, component: str, endpoint: str = "generate",
                       topic: str = "kv-events") -> str:
-    """The NATS subject Dynamo publishes a component's KV events on (brief §4); with
+    """The NATS subject Dynamo 1.6.1 publishes a component's KV events on (its NATS event plane); with
     ``topic="forward-pass-metrics"``, its load reports."""
     return f"namespace.{namespace}.component.{component}.endpoint.{endpoint}.{topic}"
 
