@@ -43,32 +43,37 @@ class RouteFigures:
     local_share: float  # of finished follow-ups
 
 
-def drifted_workload(rate: float, seconds: float, seed: int) -> list[Conversation]:
+def _poisson_conversations(rate: float, seconds: float, seed: int,
+                           turns: Callable[[random.Random], list[Turn]]) -> list[Conversation]:
+    """Conversations arriving as a Poisson process of ``rate`` for ``seconds``, each with the turns
+    ``turns`` draws (from the same generator, between arrival gaps)."""
     rng = random.Random(seed)
     conversations: list[Conversation] = []
     t = rng.expovariate(rate)
     while t < seconds:
-        first = Turn(rng.randint(900, 3500), rng.choice([64, 128, 300]))
-        follow = [Turn(int(rng.lognormvariate(4.6, 0.9)) + 8, int(rng.lognormvariate(5.0, 0.6)) + 8,
-                       think_time_s=rng.uniform(0.2, 1.0)) for _ in range(3)]
-        conversations.append(Conversation(f"c{len(conversations):04d}", t, [first, *follow], seed=seed))
+        conversations.append(Conversation(f"c{len(conversations):04d}", t, turns(rng), seed=seed))
         t += rng.expovariate(rate)
     return conversations
+
+
+def drifted_workload(rate: float, seconds: float, seed: int) -> list[Conversation]:
+    def turns(rng: random.Random) -> list[Turn]:
+        first = Turn(rng.randint(900, 3500), rng.choice([64, 128, 300]))
+        return [first, *(Turn(int(rng.lognormvariate(4.6, 0.9)) + 8, int(rng.lognormvariate(5.0, 0.6)) + 8,
+                              think_time_s=rng.uniform(0.2, 1.0)) for _ in range(3))]
+
+    return _poisson_conversations(rate, seconds, seed, turns)
 
 
 def prefill_heavy_workload(rate: float, seconds: float, seed: int) -> list[Conversation]:
     """Long first turns and prefill-heavy follow-ups: the prefill worker is busier than in the
     table's two-turn calibration workload."""
-    rng = random.Random(seed)
-    conversations: list[Conversation] = []
-    t = rng.expovariate(rate)
-    while t < seconds:
+    def turns(rng: random.Random) -> list[Turn]:
         first = Turn(rng.randint(3000, 7000), rng.choice([32, 64]))
-        follow = [Turn(rng.randint(600, 1500), rng.choice([32, 64]), think_time_s=rng.uniform(0.1, 0.5))
-                  for _ in range(2)]
-        conversations.append(Conversation(f"c{len(conversations):04d}", t, [first, *follow], seed=seed))
-        t += rng.expovariate(rate)
-    return conversations
+        return [first, *(Turn(rng.randint(600, 1500), rng.choice([32, 64]),
+                              think_time_s=rng.uniform(0.1, 0.5)) for _ in range(2))]
+
+    return _poisson_conversations(rate, seconds, seed, turns)
 
 
 def _hot_decode(cluster: Cluster, start_s: float, sequences: int = 64, context: int = 3000,
