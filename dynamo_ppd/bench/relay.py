@@ -94,6 +94,7 @@ class Run:
     chunks: float | None = None  # chunks the PPD router sent for its tokens (fewer: coalesced)
     worker_speedup: float = 1.0
     errors: list[str] = field(default_factory=list)
+    round: int = 0  # which round of repeats (every system runs once per round, back to back)
 
     def us_per_token(self, prefix: str) -> float:
         """CPU us per relayed token of the processes whose label starts with ``prefix``."""
@@ -216,6 +217,32 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
 
 
+def paired_ratios(runs: list[Run], base: str = "relay") -> list[str]:
+    """Each relay system's CPU per token over the bare relay's in the same round (run back to back,
+    so under the same background load): the ratio people compare, mean [min-max] over rounds."""
+    by_round: dict[tuple[int, float, float, int], dict[str, float]] = {}
+    for run in runs:
+        value = run.relay_us_per_token()
+        if value is not None:
+            key = (run.replicas, run.rate, run.worker_speedup, run.round)
+            by_round.setdefault(key, {})[run.system] = value
+    ratios: dict[tuple[str, int, float, float], list[float]] = {}
+    for (replicas, rate, speedup, _round), systems in by_round.items():
+        for system, value in systems.items():
+            if system != base and base in systems:
+                ratios.setdefault((system, replicas, rate, speedup), []).append(value / systems[base])
+    if not ratios:
+        return []
+    out = ["", f"CPU per relayed token against the bare relay in the same round ({base} = 1):", "",
+           "| system | relay processes | conv/s | workers' speedup | rounds | ratio mean [min-max] |",
+           "|---|---|---|---|---|---|"]
+    for (system, replicas, rate, speedup), values in ratios.items():
+        spread = (f"{values[0]:.2f}" if len(values) == 1 else
+                  f"{statistics.mean(values):.2f} [{min(values):.2f}-{max(values):.2f}]")
+        out.append(f"| {system} | {replicas} | {rate:g} | {speedup:g} | {len(values)} | {spread} |")
+    return out
+
+
 def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) -> str:
     """Markdown: CPU per relayed token per process, saturation rate, replicas, low-load TTFT."""
     out = [f"Load: `{WORKLOAD}` (turn 1 512 -> 128 tokens, turn 2 +32 -> 512), Poisson arrivals. "
@@ -241,6 +268,7 @@ def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) ->
                    f"{_spread([r.us_per_token('frontend') for r in group])} | "
                    f"{_spread([r.us_per_token('decode') for r in group])} | "
                    f"{max(r.lag_p99_ms for r in group):.0f} |")
+    out += paired_ratios(runs)
     multi = [r for r in runs if r.replicas > 1 and r.per_replica_tokens]
     if multi:
         out += ["", "Per router replica (each replica's CPU over the tokens it relayed):", "",
@@ -292,14 +320,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ppd-relay-") as tmp:
         work = Path(tmp)
         for rate in args.rate:
-            for system in systems:
-                counts = [int(n) for n in args.router_replicas] if RELAY_LABEL[system] else [1]
-                for replicas in counts:
-                    for repeat in range(args.repeats):
+            # Repeats outermost: each round runs every system once, back to back, so systems
+            # compared within a round saw the same background load on the machine.
+            for repeat in range(args.repeats):
+                for system in systems:
+                    counts = [int(n) for n in args.router_replicas] if RELAY_LABEL[system] else [1]
+                    for replicas in counts:
                         tag = f"{replicas}-{rate:g}-{repeat}"
                         sys.stderr.write(f"{system} x{replicas} @ {rate:g} conv/s, run {repeat + 1} ...\n")
                         run = measure_load(system, replicas, rate, args.duration, work, tag,
                                            worker_speedup=args.worker_speedup)
+                        run.round = repeat
                         sys.stderr.write(f"  {run.tokens:,} tokens, {run.failed} failed; relay "
                                          f"{run.relay_us_per_token() or 0:.0f} us/token "
                                          f"{'; errors: ' + ', '.join(run.errors) if run.errors else ''}\n")
