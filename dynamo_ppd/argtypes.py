@@ -4,28 +4,33 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 
-def positive_seconds(text: str) -> float:
-    """An argparse type: a positive number of seconds."""
+def _positive(text: str, parse: Callable[[str], Any], what: str) -> Any:
     try:
-        value = float(text)
+        value = parse(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    return _positive(text, float, "a number of seconds")
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a positive number."""
+    return _positive(text, float, "a number")
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return value
+    return _positive(text, int, "a whole number")
 
 
 def positive_floats(kind: str = "values"):

@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..argtypes import positive_float, positive_int
 from ..engine.profile import DEFAULT_PROFILE, bundled_profiles
 
 DEFAULT_NAMESPACE = "dynamo"
@@ -40,15 +41,6 @@ def _parse_endpoint(text: str) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[2]
 
 
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text} must be positive")
-        return value
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dynamo_ppd.worker",
@@ -67,15 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model name clients use; default: the model directory's")
     p.add_argument("--profile", default=DEFAULT_PROFILE,
                    help=f"engine profile name ({', '.join(bundled_profiles())}) or YAML path")
-    p.add_argument("--speedup", type=_positive(float), default=1.0,
+    p.add_argument("--speedup", type=positive_float, default=1.0,
                    help="run the modeled time this many times faster than real time")
-    p.add_argument("--link-bandwidth-gbps", type=_positive(float),
+    p.add_argument("--link-bandwidth-gbps", type=positive_float,
                    help="prefill workers: outgoing KV link bandwidth in GB/s (default: profile's)")
-    p.add_argument("--kv-capacity-blocks", type=_positive(int),
+    p.add_argument("--kv-capacity-blocks", type=positive_int,
                    help="KV cache size in blocks (default: derived from the profile's memory)")
-    p.add_argument("--max-batch-size", type=_positive(int), help="default: profile's")
-    p.add_argument("--max-num-tokens", type=_positive(int), help="default: profile's")
-    p.add_argument("--default-max-tokens", type=_positive(int), default=256,
+    p.add_argument("--max-batch-size", type=positive_int, help="default: profile's")
+    p.add_argument("--max-num-tokens", type=positive_int, help="default: profile's")
+    p.add_argument("--default-max-tokens", type=positive_int, default=256,
                    help="output length when a request sets no max_tokens")
     p.add_argument("--no-register-model", dest="register_model", action="store_false",
                    help="serve the endpoint without advertising the public model (for a router "
