@@ -13,6 +13,7 @@ from dynamo_ppd.cli import main
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.slow
 def test_chaos_decode_kill_smoke(model_dir, tmp_path):
     out = tmp_path / "chaos"
     code = main(["chaos", "--faults", "decode-kill", "--replicas", "decode=2", "--qps", "3",

@@ -287,6 +287,7 @@ def _parse_with_dynamo(commands: list[tuple[str, list[str]]]) -> list[dict]:
     return parsed
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_trtllm_graph_flags_parse_with_dynamo():
     commands = []
@@ -306,12 +307,14 @@ def test_trtllm_graph_flags_parse_with_dynamo():
                for r in workers)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_flag_check_catches_unknown_worker_flags():
     with pytest.raises(AssertionError, match="does not accept"):
         _parse_with_dynamo([("trtllm", ["--disaggregation-mode", "prefill", "--publish-events-and-metric"])])
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_flag_check_catches_unknown_engine_options(tmp_path):
     bad = tmp_path / "engine.yaml"
@@ -518,6 +521,7 @@ def _with_local_engine_file(args: list[str], engine_cm: dict, tmp_path: Path) ->
     return args
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_helm_rendered_frontend_and_worker_flags_parse_with_dynamo(helm, tmp_path):
     docs = render(helm, "-f", str(CHART / "presets" / "2p2d.yaml"),
@@ -752,6 +756,7 @@ def test_smoke_script_rejects_unknown_presets():
     assert result.returncode == 2 and "usage" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("curl") is None, reason="deploy/smoke.sh sends its requests with curl")
 def test_smoke_script_passes_on_the_simulated_graph(model_dir, tmp_path):

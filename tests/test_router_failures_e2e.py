@@ -108,6 +108,7 @@ def test_no_decode_worker_left_is_a_503_with_a_message(dep):
     assert "HTTP 503: no decode worker is available" in _log(router)
 
 
+@pytest.mark.slow
 def test_a_prompt_no_decode_worker_can_hold_is_a_400_before_any_work(model_dir, tmp_path):
     # 80 blocks of 32 tokens: 2,560 tokens of KV per decode worker, from their model cards in etcd.
     small = deploy(tmp_path, model_dir, mode="local", decode=1, decode_args=("--kv-capacity-blocks", "80"))

@@ -55,6 +55,7 @@ def stream_chat(base_url: str, model: str, messages: list[dict], max_tokens: int
     return {"text": text, "usage": usage, "workers": workers, "chunks": chunks, "events": events}
 
 
+@pytest.mark.slow
 def test_pd_request_goes_prefill_then_decode_and_stop_leaves_nothing(serve_run, own_etcd):
     run = serve_run("pd", "--etcd-url", own_etcd)
     record = run.wait_ready()
@@ -86,6 +87,7 @@ def test_pd_request_goes_prefill_then_decode_and_stop_leaves_nothing(serve_run, 
     assert run.record()["state"] == "stopped"
 
 
+@pytest.mark.slow
 def test_agg_second_turn_reports_cached_tokens(serve_run):
     run = serve_run("agg")
     record = run.wait_ready()
@@ -105,6 +107,7 @@ def test_agg_second_turn_reports_cached_tokens(serve_run):
     assert run.leftover_pids() == []
 
 
+@pytest.mark.slow
 def test_killed_worker_stops_the_run_and_its_lease_is_revoked(serve_run, own_etcd):
     run = serve_run("pd", "--etcd-url", own_etcd)
     record = run.wait_ready()
@@ -145,6 +148,7 @@ def test_process_group_is_stopped_with_its_children(tmp_path):
     assert not group_alive(proc.pid)
 
 
+@pytest.mark.slow
 def test_killed_launcher_leaves_no_orphans(serve_run, own_etcd):
     """Even a SIGKILLed launcher leaves nothing running: children get SIGTERM from the kernel
     (PR_SET_PDEATHSIG) and deregister as on a normal stop."""
@@ -167,6 +171,7 @@ def _prefill_tokens_charged(record: dict, label: str) -> int:
                if line.startswith("dynamo_ppd_engine_prefill_tokens_total"))
 
 
+@pytest.mark.slow
 def test_cond_disagg_bypasses_prefill_and_charges_the_append(serve_run):
     """Dynamo's own conditional disaggregation sends the follow-up turn straight to the decode
     worker holding the history, which computes only the tokens it does not hold."""
