@@ -296,8 +296,6 @@ def main(args: argparse.Namespace) -> int:
         else:
             specs = [s for c in configs for s in paper_specs(c, args.workloads, args.qps, args.seed)]
             link = resolve_link(args.link)
-            if args.jobs < 1:
-                raise ValueError("--jobs must be at least 1")
     except (ProfileError, PaperDataError, ValueError) as exc:
         print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
         return 2

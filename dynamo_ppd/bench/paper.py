@@ -26,7 +26,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..argtypes import comma_choices, positive_floats
+from ..argtypes import comma_choices, positive_floats, positive_int
 from ..engine.profile import EngineProfile, ProfileError, TransferConstants, link_preset, load_profile
 from ..sim import Cluster, Conversation, simulate
 from ..sim.outcome import PAPER_TIMEOUT_S, paper_columns
@@ -156,7 +156,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--qps", type=positive_floats("rates"), default=list(PAPER_QPS), metavar="RATES",
                         help="comma-separated conversation rates (default: the paper's 10)")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals, prompts, tokens and placement")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+    parser.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
                         help="points simulated in parallel processes (default: one per CPU)")
 
 
@@ -180,8 +180,6 @@ def main(args: argparse.Namespace) -> int:
         specs = paper_specs(args.config, args.workloads, args.qps, args.seed)
         profile = load_profile(args.profile)
         link = resolve_link(args.link)
-        if args.jobs < 1:
-            raise ValueError("--jobs must be at least 1")
     except (ProfileError, ValueError) as exc:
         print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
         return 2

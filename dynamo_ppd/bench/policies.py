@@ -39,7 +39,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..argtypes import comma_choices, positive_floats
+from ..argtypes import comma_choices, positive_floats, positive_int
 from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, link_preset, load_profile
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
@@ -502,7 +502,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="policies to run (default: all: x0, x1, x0.5, replicas, hybrid, the peers, "
                         "ppd@w)")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals, prompts, tokens and draws")
-    parser.add_argument("--jobs", type=int, default=2, help="parallel processes")
+    parser.add_argument("--jobs", type=positive_int, default=2, help="parallel processes")
     parser.add_argument("--reuse", type=Path, metavar="JSON",
                         help="a previous report whose points are kept: only the (point, policy) pairs it "
                         "lacks are simulated (same profile and seed)")
@@ -518,8 +518,6 @@ def main(args: argparse.Namespace) -> int:
         if unknown:
             known = ", ".join(policy_names())
             raise ValueError(f"unknown policies {', '.join(unknown)}; choose from {known}")
-        if args.jobs < 1:
-            raise ValueError("--jobs must be at least 1")
     except (ProfileError, ValueError) as exc:
         print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
         return 2

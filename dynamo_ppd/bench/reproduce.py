@@ -28,7 +28,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..argtypes import positive_floats
+from ..argtypes import positive_floats, positive_int
 from ..engine.profile import EngineProfile, ProfileError, load_profile
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
@@ -400,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", type=_workloads, default=list(PAPER_WORKLOADS),
                         help="comma-separated paper workloads, or all")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
-    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel processes")
+    parser.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
+                        help="parallel processes")
     parser.add_argument("--out", type=Path, default=Path("docs"), help="where results.md and PNGs go")
     args = parser.parse_args(argv)
     try:

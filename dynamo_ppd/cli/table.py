@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..argtypes import positive_int
 from ..engine.profile import DEFAULT_PROFILE
 from ..policy.table import (
     CONFIGS,
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--seconds-per-cell", type=float, default=10.0,
                    help="measured seconds per cell and route (the paper: 10)")
     b.add_argument("--seed", type=int, default=0, help="workload seed")
-    b.add_argument("--jobs", type=int, help="parallel processes (sim backend; default: CPU count)")
+    b.add_argument("--jobs", type=positive_int, help="parallel processes (sim backend; default: CPU count)")
     b.add_argument("--out", type=Path, required=True, help="where to write the table JSON")
     s = sub.add_parser("show", help="print a table's decision grid, one block per QPS level")
     _table_arg(s)
