@@ -344,7 +344,7 @@ class EtcdSessions:
         """Create a new session unless another replica already did; return the winning record."""
         self.table.put(record)
         if not self.healthy:
-            self._dirty.add(record.session_id)
+            self._sync_later(record)
             return record
         key = self.prefix + record.session_id.encode()
         try:
@@ -355,8 +355,7 @@ class EtcdSessions:
                 success=[tx.put(key, encode(record), lease.id)],
                 failure=[tx.get(key)])
         except Exception as exc:  # noqa: BLE001
-            self._set_health(False, exc)
-            self._dirty.add(record.session_id)
+            self._sync_later(record, exc)
             return record
         if won:
             self._leases[record.session_id] = lease.id
@@ -370,13 +369,12 @@ class EtcdSessions:
         """Write a session after a turn, refreshing its idle TTL."""
         self.table.put(record)
         if not self.healthy:
-            self._dirty.add(record.session_id)
+            self._sync_later(record)
             return
         try:
             await self._write(record)
         except Exception as exc:  # noqa: BLE001
-            self._set_health(False, exc)
-            self._dirty.add(record.session_id)
+            self._sync_later(record, exc)
 
     async def commit(self, record: SessionRecord, wait_s: float = SAVE_WAIT_S) -> None:
         """A turn's record: in the local table now, and in etcd before this returns unless etcd
@@ -528,6 +526,13 @@ class EtcdSessions:
                 self._warned = False
             except Exception:  # noqa: BLE001 (still away; try again in a second)
                 pass
+
+    def _sync_later(self, record: SessionRecord, exc: Exception | None = None) -> None:
+        """etcd is away (or a write to it just failed with ``exc``): the record stays in the local
+        table, marked for the resync that follows etcd's return."""
+        if exc is not None:
+            self._set_health(False, exc)
+        self._dirty.add(record.session_id)
 
     def _set_health(self, healthy: bool, exc: Exception | None = None) -> None:
         if not healthy and not self._warned:
