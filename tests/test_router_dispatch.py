@@ -43,11 +43,13 @@ class FakeClient:
             yield {"token_ids": [1000 + i]}
 
 
-def make_router(mode: str = "local", dead: set[int] | None = None) -> PpdRouter:
+def make_router(mode: str = "local", dead: set[int] | None = None, decode: FakeClient | None = None
+                ) -> PpdRouter:
+    """A router over one prefill and two decode workers (``decode``: another decode client)."""
     config = parse_args(["--mode", mode])
     return PpdRouter(None, config, build_policy(config), RouterMetrics(),
                      clients={"prefill": FakeClient([PREFILL], "prefill", dead),
-                              "decode": FakeClient([D1, D2], "decode", dead)})
+                              "decode": decode or FakeClient([D1, D2], "decode", dead)})
 
 
 def hold(router: PpdRouter, worker: int, tokens: list[int]) -> None:

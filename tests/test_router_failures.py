@@ -66,8 +66,7 @@ def test_a_worker_validation_error_is_a_400_and_is_not_retried():
     from dynamo.llm.exceptions import InvalidArgument
 
     async def run():
-        router = make_router()
-        router.clients["decode"] = Scripted([D1, D2], "decode", reject={D1, D2})
+        router = make_router(decode=Scripted([D1, D2], "decode", reject={D1, D2}))
         with pytest.raises(InvalidArgument, match="max_tokens must be at least 1"):  # HTTP 400
             await turn(router, list(range(2000, 2300)))
         assert len(router.clients["decode"].sent) == 1  # once, not three times
@@ -78,8 +77,7 @@ def test_a_worker_validation_error_is_a_400_and_is_not_retried():
 
 def test_a_cancelled_client_is_not_a_worker_failure():
     async def run():
-        router = make_router(mode="pd")
-        router.clients["decode"] = Scripted([D1, D2], "decode", die_after={D1: 0, D2: 0})
+        router = make_router(mode="pd", decode=Scripted([D1, D2], "decode", die_after={D1: 0, D2: 0}))
         request = {"token_ids": list(range(2000, 2300)), "stop_conditions": {"max_tokens": 4},
                    "annotations": [], "agent_context": {"session_id": "gone"}}
         chunks = [c async for c in router.generate(request, StoppedContext())]
@@ -141,8 +139,7 @@ def test_without_prefill_workers_a_new_conversation_is_prefilled_on_a_decode_wor
 
 def test_an_answer_cut_off_mid_stream_continues_on_another_decode_worker():
     async def run():
-        router = make_router(mode="local")
-        router.clients["decode"] = Scripted([D1, D2], "decode", die_after={D1: 3})
+        router = make_router(mode="local", decode=Scripted([D1, D2], "decode", die_after={D1: 3}))
         prompt = list(range(2000, 2300))
         request = {"token_ids": prompt, "stop_conditions": {"max_tokens": 10},
                    "annotations": [], "agent_context": {"session_id": "cut"}}
@@ -230,8 +227,8 @@ def test_a_worker_that_failed_is_skipped_while_discovery_still_lists_it():
             return await super().direct(request, worker, annotated, context)
 
     async def run():
-        router = make_router(mode="pd")
-        router.clients["decode"] = Counting([D1, D2], "decode", dead={D1})  # killed, still listed
+        # D1 was killed and is still listed
+        router = make_router(mode="pd", decode=Counting([D1, D2], "decode", dead={D1}))
         for session in ("a", "b", "c"):
             assert len(await turn(router, list(range(2000, 2300)), session=session)) == 4
         assert router.clients["decode"].tried == [D1, D2, D2, D2]  # one failed connect, not three
