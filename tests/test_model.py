@@ -6,7 +6,6 @@ import json
 import random
 
 import pytest
-from transformers import AutoTokenizer
 
 from dynamo_ppd import model
 
@@ -17,6 +16,8 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
+    from transformers import AutoTokenizer  # here: importing transformers costs 1-2 s of test-fast
+
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
