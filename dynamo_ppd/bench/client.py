@@ -84,43 +84,93 @@ class TokenText:
         return self.joiner.join(self.rng.choices(self.words, k=max(1, tokens))).strip()
 
 
+class ChatStream:
+    """One streamed chat completion as it arrived; times are ``time.monotonic()``."""
+
+    def __init__(self, sent: float) -> None:
+        self.sent = sent
+        self.stamps: list[float] = []  # each content chunk's arrival
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None  # the last usage the stream reported
+        self.http_error: str | None = None  # "HTTP 503: b'...'" (the head of the body)
+        self.error_chunk: str | None = None  # the error a data chunk carried
+        self.error_line = False  # an "event: error" line came
+        self.failure: str | None = None  # the connection failed or timed out, or a line was not JSON
+        self.ended = sent
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.stamps[0] - self.sent if self.stamps else None
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, session: str, timeout_s: float,
+                      stop_at_error: bool = True, body_chars: int = 200) -> ChatStream:
+    """POST ``body`` (``"stream": True``) to ``url``'s chat completions with the session header
+    and read the server-sent events to the end (or, with ``stop_at_error``, to the first error
+    chunk). An HTTP error, a failed connection or a garbled line is recorded, not raised."""
+    out = ChatStream(time.monotonic())
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s,
+                                 headers={"x-dynamo-session-id": session}) as response:
+            if response.status_code != 200:
+                out.http_error = f"HTTP {response.status_code}: {(await response.aread())[:body_chars]!r}"
+                out.ended = time.monotonic()
+                return out
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    out.error_line = out.error_line or line.startswith("event: error")
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out.error_chunk = str(chunk["error"])
+                    if stop_at_error:
+                        break
+                    continue
+                out.usage = chunk.get("usage") or out.usage
+                for choice in chunk.get("choices", []):
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        out.stamps.append(time.monotonic())
+                        out.text += content
+                    if choice.get("finish_reason"):
+                        out.finish_reason = choice["finish_reason"]
+    except (httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
+        out.failure = f"{type(exc).__name__}: {exc}"[:200]
+    out.ended = time.monotonic()
+    return out
+
+
+def chat_body(model: str, messages: list[dict], max_tokens: int,
+              annotations: tuple[str, ...] | list[str] = ()) -> dict:
+    """A streamed chat request of exactly ``max_tokens`` (``ignore_eos``) that reports its usage."""
+    body: dict = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+                  "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if annotations:
+        body["nvext"] = {"annotations": list(annotations)}
+    return body
+
+
 async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,
                       session: str, annotations: tuple[str, ...] = (), timeout_s: float = CHAT_TIMEOUT_S,
                       usage: dict | None = None,
                       ) -> tuple[float | None, float | None, list[float], str, str | None]:
     """(TTFT, e2e, gaps between content chunks, text, error) of one streamed chat completion,
     in wall seconds; the stream's usage (token counts) goes into ``usage`` when given."""
-    body: dict = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-                  "ignore_eos": True, "stream_options": {"include_usage": True}}
-    if annotations:
-        body["nvext"] = {"annotations": list(annotations)}
-    sent = time.monotonic()
-    stamps: list[float] = []
-    text = ""
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s,
-                                 headers={"x-dynamo-session-id": session}) as response:
-            if response.status_code != 200:
-                return None, None, [], "", f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return None, None, [], text, str(chunk["error"])[:200]
-                if usage is not None and chunk.get("usage"):
-                    usage.update(chunk["usage"])
-                for choice in chunk.get("choices", []):
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        stamps.append(time.monotonic())
-                        text += content
-    except (httpx.HTTPError, asyncio.TimeoutError) as exc:
-        return None, None, [], text, f"{type(exc).__name__}: {exc}"[:200]
-    if not stamps:
-        return None, None, [], text, "no tokens"
-    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    return stamps[0] - sent, time.monotonic() - sent, gaps, text, None
+    out = await stream_chat(client, url, chat_body(model, messages, max_tokens, annotations), session,
+                            timeout_s)
+    if usage is not None and out.usage:
+        usage.update(out.usage)
+    if out.http_error is not None:
+        return None, None, [], "", out.http_error
+    if out.error_chunk is not None:
+        return None, None, [], out.text, out.error_chunk[:200]
+    if out.failure is not None:
+        return None, None, [], out.text, out.failure
+    if not out.stamps:
+        return None, None, [], out.text, "no tokens"
+    gaps = [b - a for a, b in zip(out.stamps, out.stamps[1:], strict=False)]
+    return out.ttft_s, out.ended - out.sent, gaps, out.text, None
 
 
 async def run_manifest(url: str, manifest: Manifest, model: str | None = None, seed: int = 0,

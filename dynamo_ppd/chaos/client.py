@@ -10,13 +10,12 @@ goes on with the partial answer, as a user who saw half a reply would still type
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 
 import httpx
 
-from ..bench.client import TokenText
+from ..bench.client import TokenText, chat_body, stream_chat
 from ..sim.outcome import CHAOS_TIMEOUT_S
 from ..workloads.manifest import Manifest, ManifestConversation
 from .report import TurnRecord
@@ -34,39 +33,19 @@ class _Answer:
 
 async def chat_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
                     max_tokens: int, session: str) -> tuple[_Answer, float]:
-    """One streamed chat completion; returns the answer and its end-to-end time."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    """One streamed chat completion, read to its end even past an error event (a fault may
+    break a stream that still finishes); returns the answer and its end-to-end time."""
+    out = await stream_chat(client, url, chat_body(model, messages, max_tokens), session, CHAOS_TIMEOUT_S,
+                            stop_at_error=False, body_chars=160)
     answer = _Answer()
-    sent = time.monotonic()
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=CHAOS_TIMEOUT_S,
-                                 headers={"x-dynamo-session-id": session}) as response:
-            if response.status_code != 200:
-                answer.error = f"HTTP {response.status_code}: {(await response.aread())[:160]!r}"
-                return answer, time.monotonic() - sent
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    if line.startswith("event: error"):
-                        answer.error = answer.error or "error event"
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    answer.error = f"error event: {str(chunk['error'])[:160]}"
-                    continue
-                answer.usage = chunk.get("usage") or answer.usage
-                for choice in chunk.get("choices", []):
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        if answer.ttft is None:
-                            answer.ttft = time.monotonic() - sent
-                        answer.chunks += 1
-                        answer.text += content
-                    if choice.get("finish_reason"):
-                        answer.finish_reason = choice["finish_reason"]
-    except (httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:
-        answer.error = f"{type(exc).__name__}: {exc}"[:200]
-    return answer, time.monotonic() - sent
+    answer.text, answer.chunks, answer.ttft = out.text, len(out.stamps), out.ttft_s
+    answer.finish_reason, answer.usage = out.finish_reason, out.usage
+    if out.error_chunk is not None:
+        answer.error = f"error event: {out.error_chunk[:160]}"
+    elif out.error_line:
+        answer.error = "error event"
+    answer.error = out.http_error or out.failure or answer.error
+    return answer, out.ended - out.sent
 
 
 def classify(answer: _Answer, max_tokens: int, e2e_s: float) -> tuple[str, int]:
