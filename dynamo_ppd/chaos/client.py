@@ -1,7 +1,8 @@
 """The chaos client: plays a manifest like the benchmark's client (bench/client.py: one asyncio task
-per conversation, real history, ``x-dynamo-session-id``, ``max_tokens`` with ``ignore_eos``) but
-records what a fault can break in each answer: the ``finish_reason``, the token count against
-``max_tokens``, error events, and the usage's ``cached_tokens`` (decode-local or not, report.py).
+per conversation, real history, ``x-dynamo-session-id``, ``max_tokens`` with ``ignore_eos``; its
+`stream_chat` reads each answer) but records what a fault can break in each answer: the
+``finish_reason``, the token count against ``max_tokens``, error events, and the usage's
+``cached_tokens`` (decode-local or not, report.py).
 
 A failed turn ends its conversation (there is no answer to put in the history); a truncated one
 goes on with the partial answer, as a user who saw half a reply would still type the next message.
