@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 
 from ..engine.profile import EngineProfile, ProfileError, load_profile
+from ..sim.outcome import SUCCESS_BAR
 from . import plots
 from .paper import add_common_arguments, paper_specs, points_csv, resolve_link, run_points
 from .paper_data import (
@@ -41,7 +42,6 @@ from .paper_data import (
 
 DONE_CONFIGS = ("1P_3D", "1P_3pD", "3P_1D", "3P_1pD", "4R")  # issue 11's "Done when"
 SHARE_WEIGHTS = ((1.0, 1.0), (1.0, 3.0), (1.0, 6.0), (1.0, 12.0))
-SUCCESS_BAR = 95.0  # percent: the paper's bar for a point that "did not fail"
 
 
 class ErrorStats(msgspec.Struct, frozen=True):

@@ -29,7 +29,7 @@ import msgspec
 from ..argtypes import comma_choices, positive_floats, positive_int
 from ..engine.profile import EngineProfile, ProfileError, TransferConstants, link_preset, load_profile
 from ..sim import Cluster, Conversation, simulate
-from ..sim.outcome import PAPER_TIMEOUT_S, paper_columns
+from ..sim.outcome import PAPER_TIMEOUT_S, SUCCESS_BAR, paper_columns
 from ..sim.routing import Router, paper_proxy_router, parse_paper_config
 from ..sim.run import SimResult
 from ..workloads.generators import (
@@ -186,6 +186,7 @@ def main(args: argparse.Namespace) -> int:
     points = run_points(profile, specs, link, args.jobs, label=f"sim paper {args.config}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(points_csv(points))
-    failed = sum(1 for p in points if p.success_rate < 95)
-    print(f"{args.config} on {profile.name}: {len(points)} points ({failed} under 95% success) -> {args.out}")
+    failed = sum(1 for p in points if p.success_rate < SUCCESS_BAR)
+    print(f"{args.config} on {profile.name}: {len(points)} points ({failed} under {SUCCESS_BAR:.0f}% "
+          f"success) -> {args.out}")
     return 0

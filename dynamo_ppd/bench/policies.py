@@ -46,7 +46,7 @@ from ..policy.simulate import PolicyRouter
 from ..policy.table import CONFIGS, Weights, bundled_table, load_table, reweight
 from ..sim import Conversation, peers
 from ..sim.cluster import parse_config
-from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, Outcome
+from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, SUCCESS_BAR, Outcome
 from ..sim.routing import (
     Router,
     fraction_router,
@@ -64,7 +64,6 @@ from .progress import Progress
 LINKS = ("intra-node", "cross-node")
 CHAT_WORKLOADS = ("wildchat", "sharegpt")
 WEIGHTS = (1.0, 3.0, 6.0)  # w_tpot, with w_ttft 1
-SUCCESS_BAR = 95.0
 TIE = 0.02
 CHAT_WINDOW_S = 10.0  # seconds of conversation arrivals per chat point, as the paper's window
 BASE_POLICIES = ("x0", "x1", "x0.5", "replicas", "hybrid")

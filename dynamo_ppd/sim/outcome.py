@@ -46,6 +46,8 @@ CHAT_TIMEOUT_S = 30.0
 # still answered; one not answered within 60 s fails.
 CHAOS_TIMEOUT_S = 60.0
 
+SUCCESS_BAR = 95.0  # percent of requests: the paper's bar for a point that "did not fail"
+
 TIMEOUT_LABEL = "timeout"  # a request that finished late, or was still running at the cut
 UNFINISHED_LABEL = "unfinished"  # still running at the cut of a run with no timeout
 
