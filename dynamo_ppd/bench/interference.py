@@ -78,7 +78,7 @@ BATCHES = (1, 25, 50, 75, 100, 125, 150, 175, 200, 225, 250)  # batch 0 has no d
 CONTEXTS = (2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_BATCHES = (1, 100, 200)
 QUICK_CONTEXTS = (2048, 8192, 32768)
-APPEND_TOKENS = 128  # new tokens of an append-prefill (the paper's reference benchmark)
+APPEND_TOKENS = paper.APPEND_TOKENS  # new tokens of an append-prefill: the paper's, in both protocols
 BATCH_SWEEP_CONTEXT = 1024  # full prefill size / append's cached context in the batch sweep
 DECODE_MAX_TOKENS = 256  # long enough for set-up + warm-up + window; reserved in the KV cache
 
