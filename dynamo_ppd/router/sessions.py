@@ -342,9 +342,7 @@ class EtcdSessions:
     # -- writes ----------------------------------------------------------------------------------
     async def claim(self, record: SessionRecord) -> SessionRecord:
         """Create a new session unless another replica already did; return the winning record."""
-        self.table.put(record)
-        if not self.healthy:
-            self._sync_later(record)
+        if self._kept_local(record):
             return record
         key = self.prefix + record.session_id.encode()
         try:
@@ -367,9 +365,7 @@ class EtcdSessions:
 
     async def save(self, record: SessionRecord) -> None:
         """Write a session after a turn, refreshing its idle TTL."""
-        self.table.put(record)
-        if not self.healthy:
-            self._sync_later(record)
+        if self._kept_local(record):
             return
         try:
             await self._write(record)
@@ -526,6 +522,15 @@ class EtcdSessions:
                 self._warned = False
             except Exception:  # noqa: BLE001 (still away; try again in a second)
                 pass
+
+    def _kept_local(self, record: SessionRecord) -> bool:
+        """Put the record in the local table; True, and marked for the resync, while etcd is away
+        (the write to etcd then waits)."""
+        self.table.put(record)
+        if self.healthy:
+            return False
+        self._sync_later(record)
+        return True
 
     def _sync_later(self, record: SessionRecord, exc: Exception | None = None) -> None:
         """etcd is away (or a write to it just failed with ``exc``): the record stays in the local
