@@ -12,9 +12,9 @@ from .cluster import Cluster, ClusterView, parse_config
 from .conversation import Conversation, Turn, synthetic_workload
 from .routing import (
     Aggregated,
+    Assignment,
     DecodeLocal,
     RequestFeatures,
-    Route,
     Router,
     RoutingError,
     ViaPrefill,
@@ -26,7 +26,7 @@ from .routing import (
 )
 from .run import RequestRecord, SimResult, simulate
 
-__all__ = ["Aggregated", "Cluster", "ClusterView", "Conversation", "DecodeLocal", "RequestFeatures",
-           "RequestRecord", "Route", "Router", "RoutingError", "SimResult", "Turn", "ViaPrefill",
+__all__ = ["Aggregated", "Assignment", "Cluster", "ClusterView", "Conversation", "DecodeLocal",
+           "RequestFeatures", "RequestRecord", "Router", "RoutingError", "SimResult", "Turn", "ViaPrefill",
            "agg_router", "fraction_router", "local_router", "make_router", "parse_config", "pd_router",
            "simulate", "synthetic_workload"]

@@ -45,7 +45,7 @@ from ..engine import (
 )
 from ..engine.handoff import decode_leg, prefill_leg, ship_prompt_kv
 from ..engine.profile import TransferConstants
-from .routing import Aggregated, DecodeLocal, Route, RoutingError, ViaPrefill
+from .routing import Aggregated, Assignment, DecodeLocal, RoutingError, ViaPrefill
 
 
 class Role(str, enum.Enum):
@@ -98,7 +98,7 @@ class ClusterRequest:
     prompt_hashes: list[int] = field(repr=False)  # chained block ids, computed once for all engines
     max_tokens: int
     arrival_s: float
-    route: Route
+    assignment: Assignment
     on_done: Callable[[ClusterRequest], None]
     prefill: EngineRequest | None = None  # the context_only request on P (via_prefill only)
     serving: EngineRequest | None = None  # the request that emits the tokens (on D or A)
@@ -107,11 +107,11 @@ class ClusterRequest:
 
     @property
     def prefill_worker(self) -> str | None:
-        return self.route.prefill if isinstance(self.route, ViaPrefill) else None
+        return self.assignment.prefill if isinstance(self.assignment, ViaPrefill) else None
 
     @property
     def serving_worker(self) -> str:
-        return self.route.worker if isinstance(self.route, Aggregated) else self.route.decode
+        return self.assignment.worker if isinstance(self.assignment, Aggregated) else self.assignment.decode
 
 
 class _Event(enum.IntEnum):
@@ -208,33 +208,33 @@ class Cluster:
 
     # -- requests --------------------------------------------------------------------------------
     def dispatch(self, request: ClusterRequest) -> None:
-        """Start a routed request now; raises RoutingError if its route cannot be executed.
+        """Start a routed request now; raises RoutingError if its assignment cannot be executed.
 
         The stack's fixed costs (`StackCosts`, zero unless the profile models its stack) delay
         the request's arrival at its first worker; the routing decision is made now, on what
         the router sees at the request's arrival, as a proxy decides before it forwards."""
-        route = request.route
+        assignment = request.assignment
         stack = self.stack
-        if isinstance(route, ViaPrefill):
-            prefill = self._worker(route.prefill, Role.PREFILL, route)
-            decode = self._worker(route.decode, Role.DECODE, route)
+        if isinstance(assignment, ViaPrefill):
+            prefill = self._worker(assignment.prefill, Role.PREFILL, assignment)
+            decode = self._worker(assignment.decode, Role.DECODE, assignment)
             request.prefill = prefill_leg(request.request_id, request.prompt, request.prompt_hashes)
             self._submit(prefill, request.prefill, stack.request_overhead_s)
             decode.inflight += 1  # counted from now: the router has committed to it
-        elif isinstance(route, (DecodeLocal, Aggregated)):
+        elif isinstance(assignment, (DecodeLocal, Aggregated)):
             delay_s = stack.request_overhead_s
-            if isinstance(route, DecodeLocal):
-                decode = self._worker(route.decode, Role.DECODE, route)
+            if isinstance(assignment, DecodeLocal):
+                decode = self._worker(assignment.decode, Role.DECODE, assignment)
                 delay_s += stack.decode_local_overhead_s
             else:
-                decode = self._worker(route.worker, Role.AGGREGATED, route)
+                decode = self._worker(assignment.worker, Role.AGGREGATED, assignment)
             request.serving = EngineRequest(request.request_id, request.prompt, request.max_tokens,
                                             RequestKind.CONTEXT_AND_GENERATION,
                                             prompt_hashes=request.prompt_hashes)
             self._submit(decode, request.serving, delay_s)
         else:
-            raise RoutingError(f"a router returned {route!r}, which is not a ViaPrefill, DecodeLocal "
-                               f"or Aggregated route")
+            raise RoutingError(f"a router returned {assignment!r}, which is not a ViaPrefill, DecodeLocal "
+                               f"or Aggregated assignment")
         self._requests[request.request_id] = request
         self.sessions[request.conversation_id] = decode.worker_id
 
@@ -245,11 +245,11 @@ class Cluster:
         worker.engine.submit(request, self.now)
         self._wake(worker, self.now)
 
-    def _worker(self, worker_id: str, role: Role, route: Route) -> Worker:
+    def _worker(self, worker_id: str, role: Role, assignment: Assignment) -> Worker:
         worker = self.workers.get(worker_id) if isinstance(worker_id, str) else None
         if worker is None or worker.role is not role:
             valid = ", ".join(self.ids(role)) or "none"
-            raise RoutingError(f"route {route!r} names {worker_id!r} as a {role.value} worker; this "
+            raise RoutingError(f"route {assignment!r} names {worker_id!r} as a {role.value} worker; this "
                                f"cluster's {role.value} workers are: {valid}")
         return worker
 
@@ -323,8 +323,8 @@ class Cluster:
     def _hand_off(self, prefill: Worker, request: ClusterRequest, out: TokenOutput) -> None:
         """P's token is out at ``out.at``: queue the KV of all prompt tokens on P's link and give
         D the request with P's token, to be emitted when the KV lands."""
-        assert prefill.link is not None and isinstance(request.route, ViaPrefill)
-        decode = self.workers[request.route.decode]
+        assert prefill.link is not None and isinstance(request.assignment, ViaPrefill)
+        decode = self.workers[request.assignment.decode]
         ready_at = out.at + self.stack.handoff_overhead_s
         num_bytes, _, landed = ship_prompt_kv(prefill.link, len(request.prompt), self.kv_bytes_per_token,
                                               ready_at)

@@ -42,7 +42,7 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from .routing import Aggregated, DecodeLocal, RequestFeatures, Route, Router, RoutingError, ViaPrefill
+from .routing import Aggregated, Assignment, DecodeLocal, RequestFeatures, Router, RoutingError, ViaPrefill
 
 if TYPE_CHECKING:
     from ..engine import EngineProfile
@@ -134,7 +134,7 @@ class DynamoKvRouter:
         self._rng = random.Random(f"dynamo-kv:{seed}")
         self.__name__ = "dynamo-kv-agg"
 
-    def __call__(self, features: RequestFeatures, view: ClusterView) -> Route:
+    def __call__(self, features: RequestFeatures, view: ClusterView) -> Assignment:
         workers = view.aggregated_workers
         if not workers:
             raise RoutingError("dynamo-kv-agg needs aggregated workers (config like 4R); "
@@ -194,7 +194,7 @@ class DynamoConditionalDisagg:
         line = self.prefill_busy_threshold * self.max_num_batched_tokens
         return active_prefill_tokens(view, prefill) > line
 
-    def __call__(self, features: RequestFeatures, view: ClusterView) -> Route:
+    def __call__(self, features: RequestFeatures, view: ClusterView) -> Assignment:
         if not view.decode_workers or not view.prefill_workers:
             raise RoutingError(f"{self.__name__} needs prefill and decode workers (config like 1P3D)")
         decode = _argmin(view.decode_workers, lambda w: dynamo_worker_logit(
@@ -254,7 +254,7 @@ class LlmdPrefixPd:
 
         return _argmin(workers, lambda w: -score(w), self._rng)
 
-    def __call__(self, features: RequestFeatures, view: ClusterView) -> Route:
+    def __call__(self, features: RequestFeatures, view: ClusterView) -> Assignment:
         if not view.decode_workers or not view.prefill_workers:
             raise RoutingError("llm-d-prefix needs prefill and decode workers (config like 1P3D)")
         decode = self._pick(view.decode_workers, features, view)
@@ -322,7 +322,7 @@ class VllmRouter:
         trees.insert(chosen, hashes)
         return chosen
 
-    def __call__(self, features: RequestFeatures, view: ClusterView) -> Route:
+    def __call__(self, features: RequestFeatures, view: ClusterView) -> Assignment:
         if not view.decode_workers or not view.prefill_workers:
             raise RoutingError("vllm-router needs prefill and decode workers (config like 1P3D)")
         return ViaPrefill(self._cache_aware("prefill", view.prefill_workers, features, view),

@@ -1,11 +1,14 @@
-"""Routing decisions: what a router sees of a request, the three routes, and the built-in routers.
+"""Routing in the simulator: what a router sees of a request, the `Assignment` it returns (a
+route with its workers), and the built-in routers.
 
-A router is any callable ``(features, view) -> route``. It sees `RequestFeatures` (what the live
-router learns from the request and the conversation's earlier turns) and a `ClusterView` (the
-load metrics, KV-event state and transfer backlog the live router gets from the workers), never
-the simulator's internals, so a policy tuned here can run unchanged in front of real workers.
+A router is any callable ``(features, view) -> assignment``. It sees `RequestFeatures` (what the
+live router learns from the request and the conversation's earlier turns) and a `ClusterView`
+(the load metrics, KV-event state and transfer backlog the live router gets from the workers),
+never the simulator's internals, so a policy tuned here can run unchanged in front of real
+workers.
 
-Routes, as the live router executes them:
+An `Assignment` is one of three structs, one per route of `policy.decision.Route` (the route's
+name alone), each naming the workers that execute it, as the live router would:
 - `ViaPrefill(prefill, decode)`: classic PD (x=0). The prompt is prefilled on ``prefill`` and its
   whole KV cache is sent to ``decode``.
 - `DecodeLocal(decode)`: PPD's x=1. ``decode`` runs the (append-)prefill itself, reusing the
@@ -40,14 +43,14 @@ class Aggregated(msgspec.Struct, frozen=True):
     worker: str
 
 
-Route = ViaPrefill | DecodeLocal | Aggregated
+Assignment = ViaPrefill | DecodeLocal | Aggregated
 
 
-def route_name(route: Route) -> str:
-    """The name a record stores: via_prefill, decode_local or aggregated."""
-    if isinstance(route, ViaPrefill):
+def route_name(assignment: Assignment) -> str:
+    """The route's name a record stores: via_prefill, decode_local or aggregated."""
+    if isinstance(assignment, ViaPrefill):
         return "via_prefill"
-    if isinstance(route, DecodeLocal):
+    if isinstance(assignment, DecodeLocal):
         return "decode_local"
     return "aggregated"
 
@@ -76,7 +79,7 @@ class RequestFeatures:
     token_ids: list[int] = field(repr=False)
 
 
-Router = Callable[[RequestFeatures, "ClusterView"], Route]
+Router = Callable[[RequestFeatures, "ClusterView"], Assignment]
 
 
 # -- load signals of the plain built-in routers (pd, local, fraction, agg) -----------------------
@@ -124,12 +127,12 @@ def session_decode(features: RequestFeatures, view: ClusterView) -> str:
 
 # -- built-in routers ---------------------------------------------------------------------------
 
-def pd_router(features: RequestFeatures, view: ClusterView) -> Route:
+def pd_router(features: RequestFeatures, view: ClusterView) -> Assignment:
     """Classic PD (x=0): every turn through the least loaded prefill worker."""
     return ViaPrefill(least_loaded_prefill(view), session_decode(features, view))
 
 
-def local_router(features: RequestFeatures, view: ClusterView) -> Route:
+def local_router(features: RequestFeatures, view: ClusterView) -> Assignment:
     """x=1: turn 1 as PD (nothing is cached anywhere), later turns append-prefill on the
     conversation's decode worker."""
     if features.turn > 1 and features.decode_worker in view.decode_workers:
@@ -143,7 +146,7 @@ def fraction_router(x: float, seed: int = 0) -> Router:
     if not 0.0 <= x <= 1.0:
         raise ValueError(f"local fraction must be in [0, 1], got {x}")
 
-    def route(features: RequestFeatures, view: ClusterView) -> Route:
+    def route(features: RequestFeatures, view: ClusterView) -> Assignment:
         if features.turn > 1:
             draw = random.Random(f"{seed}:{features.conversation_id}:{features.turn}").random()
             if draw < x:
@@ -154,7 +157,7 @@ def fraction_router(x: float, seed: int = 0) -> Router:
     return route
 
 
-def agg_router(features: RequestFeatures, view: ClusterView) -> Route:
+def agg_router(features: RequestFeatures, view: ClusterView) -> Assignment:
     """Replicas: the aggregated worker holding the longest prefix of the prompt; ties (a new
     conversation) to the least loaded, as `least_loaded_decode` ranks them."""
     workers = view.aggregated_workers
@@ -224,9 +227,9 @@ def paper_proxy_router(config: PaperConfig, seed: int = 0) -> Router:
     plain = [f"D{i}" for i in range(config.decode)]
     capable = [f"D{config.decode + i}" for i in range(config.prefill_capable_decode)]
     replicas = [f"A{i}" for i in range(config.replicas)]
-    placed: dict[str, Route] = {}
+    placed: dict[str, Assignment] = {}
 
-    def place(conversation_id: str) -> Route:
+    def place(conversation_id: str) -> Assignment:
         h = random.Random(f"{seed}:{conversation_id}").getrandbits(64)
         if not prefill:
             return Aggregated(replicas[h % len(replicas)])
@@ -239,7 +242,7 @@ def paper_proxy_router(config: PaperConfig, seed: int = 0) -> Router:
             decode = (plain + capable)[h % (len(plain) + len(capable))]
         return ViaPrefill(prefill[h % len(prefill)], decode)
 
-    def route(features: RequestFeatures, view: ClusterView) -> Route:
+    def route(features: RequestFeatures, view: ClusterView) -> Assignment:
         first = placed.get(features.conversation_id)
         if first is None or features.turn == 1:
             first = placed[features.conversation_id] = place(features.conversation_id)

@@ -187,10 +187,10 @@ class _Driver:
             new_tokens=new_tokens, max_tokens=turn.max_tokens, decode_worker=session,
             cached_on_decode=view.cached_prefix_tokens(session, prompt) if session else 0,
             now=cluster.now, token_ids=prompt)
-        route = self.router(features, view)
+        assignment = self.router(features, view)
         cluster.dispatch(ClusterRequest(
             f"{conversation.conversation_id}/{conv.next_turn}", conversation.conversation_id, prompt,
-            cluster.prompt_hashes(prompt), turn.max_tokens, sent_at, route,
+            cluster.prompt_hashes(prompt), turn.max_tokens, sent_at, assignment,
             functools.partial(self.finish_turn, conv, features)))
         conv.in_flight = InFlightTurn(conversation.conversation_id, conv.next_turn, sent_at)
         if self.timeout_s is not None and conv.next_turn > 1:  # turn 1's deadline is set at arrival
@@ -200,12 +200,13 @@ class _Driver:
         serving = request.serving
         assert serving is not None and serving.first_token_at is not None and serving.finished_at is not None
         outputs = len(serving.output)
-        reporter = request.prefill if isinstance(request.route, ViaPrefill) else serving
+        reporter = request.prefill if isinstance(request.assignment, ViaPrefill) else serving
         assert reporter is not None
         conv.in_flight = None
         self.records.append(RequestRecord(
-            conversation_id=features.conversation_id, turn=features.turn, route=route_name(request.route),
-            prefill_worker=request.prefill_worker, decode_worker=request.serving_worker,
+            conversation_id=features.conversation_id, turn=features.turn,
+            route=route_name(request.assignment), prefill_worker=request.prefill_worker,
+            decode_worker=request.serving_worker,
             prompt_tokens=features.prompt_tokens, cached_tokens=reporter.cached_tokens,
             new_tokens=features.new_tokens, arrival_s=request.arrival_s,
             first_token_s=serving.first_token_at, finished_s=serving.finished_at,
