@@ -21,8 +21,8 @@ from dynamo_ppd.sim.peers import (
 from dynamo_ppd.sim.routing import (
     Aggregated,
     DecodeLocal,
-    RequestFeatures,
     RoutingError,
+    SimRequestFeatures,
     ViaPrefill,
     make_router,
 )
@@ -67,8 +67,8 @@ class FakeView:
         return [hash((tokens[0], i)) for i in range(len(tokens) // BS)]  # chained: first token + depth
 
 
-def turn(prompt: int, turn_no: int = 2, decode_worker: str | None = "D1") -> RequestFeatures:
-    return RequestFeatures("c0", turn_no, prompt, prompt, 64, decode_worker, 0, 0.0, list(range(prompt)))
+def turn(prompt: int, turn_no: int = 2, decode_worker: str | None = "D1") -> SimRequestFeatures:
+    return SimRequestFeatures("c0", turn_no, prompt, prompt, 64, decode_worker, 0, 0.0, list(range(prompt)))
 
 
 # -- Dynamo conditional disaggregation ----------------------------------------------------------
@@ -195,7 +195,7 @@ def test_vllm_router_always_prefills_remotely_and_follows_its_tree():
     assert isinstance(first, ViaPrefill) and first.decode == "D0"  # empty trees: smallest = first
     second = router(turn(1000), view)  # same prefix: match 992/1000 > 0.3 -> the same decode worker
     assert second == first
-    fresh = RequestFeatures("c1", 1, 1000, 1000, 64, None, 0, 0.0, list(range(5000, 6000)))
+    fresh = SimRequestFeatures("c1", 1, 1000, 1000, 64, None, 0, 0.0, list(range(5000, 6000)))
     assert router(fresh, view).decode == "D1"  # no match: the smallest tree (D0's holds c0)
 
 

@@ -26,8 +26,7 @@ from dynamo_ppd.router.args import parse_args
 from dynamo_ppd.router.metrics import RouterMetrics
 from dynamo_ppd.router.router import PpdRouter, _Plan
 from dynamo_ppd.router.service import build_policy
-from dynamo_ppd.sim import Cluster
-from dynamo_ppd.sim import RequestFeatures as SimFeatures
+from dynamo_ppd.sim import Cluster, SimRequestFeatures
 from dynamo_ppd.sim.cluster import ClusterRequest
 from dynamo_ppd.sim.routing import DecodeLocal, ViaPrefill, least_loaded_decode, least_loaded_prefill
 
@@ -189,7 +188,7 @@ def test_router_and_simulator_place_a_request_identically(args):
     view = cluster.view
     sim_policy = build_policy(parse_args(args))
     sim_policy.set_table(router.policy.table)  # the table the router picked for 2P2D (auto), or none
-    f = SimFeatures(conversation_id="s", turn=2, prompt_tokens=len(follow_up),
+    f = SimRequestFeatures(conversation_id="s", turn=2, prompt_tokens=len(follow_up),
                     new_tokens=len(follow_up) - len(first) - len(answer), max_tokens=128,
                     decode_worker=view.session_decode("s"),
                     cached_on_decode=view.cached_prefix_tokens("D0", follow_up), now=cluster.now,

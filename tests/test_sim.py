@@ -21,8 +21,8 @@ from dynamo_ppd.sim.conversation import (
 from dynamo_ppd.sim.routing import (
     Aggregated,
     DecodeLocal,
-    RequestFeatures,
     RoutingError,
+    SimRequestFeatures,
     ViaPrefill,
     agg_router,
     fraction_router,
@@ -191,7 +191,7 @@ def test_router_cannot_pick_a_nonexistent_worker(route, wrong):
 
 
 def test_router_sees_only_what_a_real_router_knows():
-    seen: list[RequestFeatures] = []
+    seen: list[SimRequestFeatures] = []
 
     def spy(features, view):
         seen.append(features)

@@ -114,8 +114,8 @@ def test_paper_proxy_places_conversations_as_the_authors_proxy():
     assert all(35 <= kinds[k] <= 65 for k in ("R", "pD", "D")), kinds
     # The same seed places the same conversations the same way.
     again = paper_proxy_router(config, seed=3)
-    from dynamo_ppd.sim.routing import RequestFeatures
-    features = RequestFeatures("c007", 1, 10, 10, 4, None, 0, 0.0, [])
+    from dynamo_ppd.sim.routing import SimRequestFeatures
+    features = SimRequestFeatures("c007", 1, 10, 10, 4, None, 0, 0.0, [])
     assert router(features, cluster.view) == again(features, cluster.view)
     assert isinstance(router(features, cluster.view), (Aggregated, ViaPrefill, DecodeLocal))
 

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 from ..engine.profile import EngineProfile
 from ..engine.scheduler import LoadSnapshot
-from ..sim import Cluster, Conversation, DecodeLocal, ViaPrefill, simulate
-from ..sim import RequestFeatures as SimFeatures
+from ..sim import Cluster, Conversation, DecodeLocal, SimRequestFeatures, ViaPrefill, simulate
 from ..sim.cluster import ClusterView
 from ..sim.conversation import TEMPLATE_TOKENS, Turn
 from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S
@@ -75,7 +74,7 @@ class PolicyRouter:
         self.rate = SlidingWindowRate(window_s)
         self._pending: dict[tuple[str, int], Decision] = {}
 
-    def place(self, f: SimFeatures, view: ClusterView) -> Placement[str]:
+    def place(self, f: SimRequestFeatures, view: ClusterView) -> Placement[str]:
         """The turn's placement (no side effect on the cluster; records the arrival's rate)."""
         self.rate.record(f.now)
         session = f.decode_worker if f.decode_worker in view.decode_workers else None
@@ -85,7 +84,7 @@ class PolicyRouter:
                               qps=self.rate.rate(f.now))
         return place(self.policy, cluster_state(view, f.token_ids, session), request)
 
-    def __call__(self, f: SimFeatures, view: ClusterView):
+    def __call__(self, f: SimRequestFeatures, view: ClusterView):
         placed = self.place(f, view)
         self._pending[(f.conversation_id, f.turn)] = placed.decision
         if placed.decision.route is Route.DECODE_LOCAL:
@@ -110,7 +109,7 @@ class _Recorder:
     router: Callable
     samples: list[Conditions] = field(default_factory=list)
 
-    def __call__(self, f: SimFeatures, view: ClusterView):
+    def __call__(self, f: SimRequestFeatures, view: ClusterView):
         route = self.router(f, view)
         if f.turn > 1:
             decode = route.decode

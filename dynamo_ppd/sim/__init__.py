@@ -14,9 +14,9 @@ from .routing import (
     Aggregated,
     Assignment,
     DecodeLocal,
-    RequestFeatures,
     Router,
     RoutingError,
+    SimRequestFeatures,
     ViaPrefill,
     agg_router,
     fraction_router,
@@ -27,6 +27,6 @@ from .routing import (
 from .run import RequestRecord, SimResult, simulate
 
 __all__ = ["Aggregated", "Assignment", "Cluster", "ClusterView", "Conversation", "DecodeLocal",
-           "RequestFeatures", "RequestRecord", "Router", "RoutingError", "SimResult", "Turn", "ViaPrefill",
+           "RequestRecord", "Router", "RoutingError", "SimRequestFeatures", "SimResult", "Turn", "ViaPrefill",
            "agg_router", "fraction_router", "local_router", "make_router", "parse_config", "pd_router",
            "simulate", "synthetic_workload"]

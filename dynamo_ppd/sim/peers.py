@@ -42,7 +42,7 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from .routing import Aggregated, Assignment, DecodeLocal, RequestFeatures, Router, RoutingError, ViaPrefill
+from .routing import Aggregated, Assignment, DecodeLocal, Router, RoutingError, SimRequestFeatures, ViaPrefill
 
 if TYPE_CHECKING:
     from ..engine import EngineProfile
@@ -95,7 +95,7 @@ def dynamo_potential_decode_blocks(view: ClusterView, worker: str, request_block
     return load.kv_active_blocks + queued_blocks + (in_transit + 1) * request_blocks
 
 
-def dynamo_worker_logit(view: ClusterView, worker: str, features: RequestFeatures, *,
+def dynamo_worker_logit(view: ClusterView, worker: str, features: SimRequestFeatures, *,
                         track_active_blocks: bool, overlap_credit: float = DYNAMO_OVERLAP_SCORE_CREDIT,
                         prefill_load_scale: float = DYNAMO_PREFILL_LOAD_SCALE) -> float:
     """``worker_logit`` of Dynamo's default selector (lower is better):
@@ -134,7 +134,7 @@ class DynamoKvRouter:
         self._rng = random.Random(f"dynamo-kv:{seed}")
         self.__name__ = "dynamo-kv-agg"
 
-    def __call__(self, features: RequestFeatures, view: ClusterView) -> Assignment:
+    def __call__(self, features: SimRequestFeatures, view: ClusterView) -> Assignment:
         workers = view.aggregated_workers
         if not workers:
             raise RoutingError("dynamo-kv-agg needs aggregated workers (config like 4R); "
@@ -194,7 +194,7 @@ class DynamoConditionalDisagg:
         line = self.prefill_busy_threshold * self.max_num_batched_tokens
         return active_prefill_tokens(view, prefill) > line
 
-    def __call__(self, features: RequestFeatures, view: ClusterView) -> Assignment:
+    def __call__(self, features: SimRequestFeatures, view: ClusterView) -> Assignment:
         if not view.decode_workers or not view.prefill_workers:
             raise RoutingError(f"{self.__name__} needs prefill and decode workers (config like 1P3D)")
         decode = _argmin(view.decode_workers, lambda w: dynamo_worker_logit(
@@ -242,7 +242,7 @@ class LlmdPrefixPd:
         self._rng = random.Random(f"llm-d:{seed}")
         self.__name__ = "llm-d-prefix"
 
-    def _pick(self, workers: list[str], features: RequestFeatures, view: ClusterView) -> str:
+    def _pick(self, workers: list[str], features: SimRequestFeatures, view: ClusterView) -> str:
         prompt_blocks = max(1, math.ceil(features.prompt_tokens / view.block_size))
         queues = {w: view.load(w).waiting_requests for w in workers}
         low, high = min(queues.values()), max(queues.values())
@@ -254,7 +254,7 @@ class LlmdPrefixPd:
 
         return _argmin(workers, lambda w: -score(w), self._rng)
 
-    def __call__(self, features: RequestFeatures, view: ClusterView) -> Assignment:
+    def __call__(self, features: SimRequestFeatures, view: ClusterView) -> Assignment:
         if not view.decode_workers or not view.prefill_workers:
             raise RoutingError("llm-d-prefix needs prefill and decode workers (config like 1P3D)")
         decode = self._pick(view.decode_workers, features, view)
@@ -304,7 +304,7 @@ class VllmRouter:
         self._trees = {"prefill": _ApproximateTrees(), "decode": _ApproximateTrees()}
         self.__name__ = "vllm-router"
 
-    def _cache_aware(self, pool: str, workers: list[str], features: RequestFeatures,
+    def _cache_aware(self, pool: str, workers: list[str], features: SimRequestFeatures,
                      view: ClusterView) -> str:
         trees = self._trees[pool]
         hashes = view.prompt_hashes(features.token_ids)
@@ -322,7 +322,7 @@ class VllmRouter:
         trees.insert(chosen, hashes)
         return chosen
 
-    def __call__(self, features: RequestFeatures, view: ClusterView) -> Assignment:
+    def __call__(self, features: SimRequestFeatures, view: ClusterView) -> Assignment:
         if not view.decode_workers or not view.prefill_workers:
             raise RoutingError("vllm-router needs prefill and decode workers (config like 1P3D)")
         return ViaPrefill(self._cache_aware("prefill", view.prefill_workers, features, view),

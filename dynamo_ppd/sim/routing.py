@@ -1,7 +1,7 @@
 """Routing in the simulator: what a router sees of a request, the `Assignment` it returns (a
 route with its workers), and the built-in routers.
 
-A router is any callable ``(features, view) -> assignment``. It sees `RequestFeatures` (what the
+A router is any callable ``(features, view) -> assignment``. It sees `SimRequestFeatures` (what the
 live router learns from the request and the conversation's earlier turns) and a `ClusterView`
 (the load metrics, KV-event state and transfer backlog the live router gets from the workers),
 never the simulator's internals, so a policy tuned here can run unchanged in front of real
@@ -60,8 +60,10 @@ class RoutingError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class RequestFeatures:
-    """What a real router knows when a turn arrives.
+class SimRequestFeatures:
+    """What a real router knows when a turn arrives: the raw request and session facts a
+    simulated router starts from (the PPD router derives `policy.decision.RequestFeatures`, the
+    policy's inputs, from these and the `ClusterView`, in `policy.placement`).
 
     ``new_tokens`` counts the prompt tokens beyond the previous turn's prompt and output (the
     router saw both stream through it); for turn 1 it is the whole prompt. ``decode_worker`` is
@@ -79,7 +81,7 @@ class RequestFeatures:
     token_ids: list[int] = field(repr=False)
 
 
-Router = Callable[[RequestFeatures, "ClusterView"], Assignment]
+Router = Callable[[SimRequestFeatures, "ClusterView"], Assignment]
 
 
 # -- load signals of the plain built-in routers (pd, local, fraction, agg) -----------------------
@@ -117,7 +119,7 @@ def least_loaded_decode(view: ClusterView) -> str:
     return min(workers, key=key)
 
 
-def session_decode(features: RequestFeatures, view: ClusterView) -> str:
+def session_decode(features: SimRequestFeatures, view: ClusterView) -> str:
     """The conversation's decode worker if it has one (sticky sessions keep its KV useful),
     else the least loaded decode worker."""
     if features.decode_worker is not None and features.decode_worker in view.decode_workers:
@@ -127,12 +129,12 @@ def session_decode(features: RequestFeatures, view: ClusterView) -> str:
 
 # -- built-in routers ---------------------------------------------------------------------------
 
-def pd_router(features: RequestFeatures, view: ClusterView) -> Assignment:
+def pd_router(features: SimRequestFeatures, view: ClusterView) -> Assignment:
     """Classic PD (x=0): every turn through the least loaded prefill worker."""
     return ViaPrefill(least_loaded_prefill(view), session_decode(features, view))
 
 
-def local_router(features: RequestFeatures, view: ClusterView) -> Assignment:
+def local_router(features: SimRequestFeatures, view: ClusterView) -> Assignment:
     """x=1: turn 1 as PD (nothing is cached anywhere), later turns append-prefill on the
     conversation's decode worker."""
     if features.turn > 1 and features.decode_worker in view.decode_workers:
@@ -146,7 +148,7 @@ def fraction_router(x: float, seed: int = 0) -> Router:
     if not 0.0 <= x <= 1.0:
         raise ValueError(f"local fraction must be in [0, 1], got {x}")
 
-    def route(features: RequestFeatures, view: ClusterView) -> Assignment:
+    def route(features: SimRequestFeatures, view: ClusterView) -> Assignment:
         if features.turn > 1:
             draw = random.Random(f"{seed}:{features.conversation_id}:{features.turn}").random()
             if draw < x:
@@ -157,7 +159,7 @@ def fraction_router(x: float, seed: int = 0) -> Router:
     return route
 
 
-def agg_router(features: RequestFeatures, view: ClusterView) -> Assignment:
+def agg_router(features: SimRequestFeatures, view: ClusterView) -> Assignment:
     """Replicas: the aggregated worker holding the longest prefix of the prompt; ties (a new
     conversation) to the least loaded, as `least_loaded_decode` ranks them."""
     workers = view.aggregated_workers
@@ -242,7 +244,7 @@ def paper_proxy_router(config: PaperConfig, seed: int = 0) -> Router:
             decode = (plain + capable)[h % (len(plain) + len(capable))]
         return ViaPrefill(prefill[h % len(prefill)], decode)
 
-    def route(features: RequestFeatures, view: ClusterView) -> Assignment:
+    def route(features: SimRequestFeatures, view: ClusterView) -> Assignment:
         first = placed.get(features.conversation_id)
         if first is None or features.turn == 1:
             first = placed[features.conversation_id] = place(features.conversation_id)

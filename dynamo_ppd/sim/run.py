@@ -4,7 +4,7 @@ command line, in `dynamo_ppd.cli.sim`).
 The driver plays the users and the router: each conversation's first turn arrives at its
 arrival time, every later turn ``think_time_s`` after the previous one finished (a closed loop
 per conversation). When a turn arrives, its prompt is built from the history the engine really
-generated, the router picks a route from `RequestFeatures` and the `ClusterView`, and the cluster
+generated, the router picks a route from `SimRequestFeatures` and the `ClusterView`, and the cluster
 runs it. One `RequestRecord` per finished turn; the turns still running when the run ends are
 kept too (`InFlightTurn`), so that the outcome (`dynamo_ppd.sim.outcome`) counts every turn sent.
 
@@ -25,7 +25,7 @@ import msgspec
 from .cluster import Cluster, ClusterRequest
 from .conversation import Conversation, ConversationPrompts
 from .outcome import Outcome, TurnResult, summarize
-from .routing import RequestFeatures, Router, ViaPrefill, route_name
+from .routing import Router, SimRequestFeatures, ViaPrefill, route_name
 
 
 class RequestRecord(msgspec.Struct, frozen=True):
@@ -182,7 +182,7 @@ class _Driver:
         conv.next_turn += 1
         prompt, new_tokens = conv.prompts.next_prompt(turn)
         session = view.session_decode(conversation.conversation_id)
-        features = RequestFeatures(
+        features = SimRequestFeatures(
             conversation_id=conversation.conversation_id, turn=conv.next_turn, prompt_tokens=len(prompt),
             new_tokens=new_tokens, max_tokens=turn.max_tokens, decode_worker=session,
             cached_on_decode=view.cached_prefix_tokens(session, prompt) if session else 0,
@@ -196,7 +196,7 @@ class _Driver:
         if self.timeout_s is not None and conv.next_turn > 1:  # turn 1's deadline is set at arrival
             cluster.call_at(sent_at + self.timeout_s, self.give_up, conv, conv.next_turn)
 
-    def finish_turn(self, conv: _Conversation, features: RequestFeatures, request: ClusterRequest) -> None:
+    def finish_turn(self, conv: _Conversation, features: SimRequestFeatures, request: ClusterRequest) -> None:
         serving = request.serving
         assert serving is not None and serving.first_token_at is not None and serving.finished_at is not None
         outputs = len(serving.output)
