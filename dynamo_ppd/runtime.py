@@ -1,9 +1,11 @@
 """What every Dynamo component of ours does the same way: a runtime from the environment the
 launcher (or the operator) sets, shut down on SIGTERM/SIGINT so the component deregisters at once
-instead of lingering for its 30 s lease, and a uvloop entry point with Dynamo's logging."""
+instead of lingering for its 30 s lease, a uvloop entry point with Dynamo's logging, and the stop
+of a background task."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import Callable, Coroutine
@@ -21,6 +23,17 @@ def create_runtime():
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, runtime.shutdown)
     return runtime
+
+
+async def stop_task(task: asyncio.Task | None) -> None:
+    """Cancel a component's background ``task`` and wait for it to end (its clean-up runs)."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
 
 
 def run_component(serve: Callable[[Any], Coroutine], config: Any) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from ..policy.qps import SlidingWindowRate
+from ..runtime import stop_task
 
 log = logging.getLogger("dynamo_ppd.router.rate_share")
 
@@ -87,12 +88,7 @@ class RatePublisher:
         self._task = asyncio.get_running_loop().create_task(self._publish(), name="router-rate")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from ..engine.kv_cache import KvEvent
 from ..engine.scheduler import Engine, EngineRequest, Iteration, TokenOutput
+from ..runtime import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,7 @@ class WallClockEngine:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
 
     def submit(self, request: EngineRequest) -> asyncio.Queue[TokenOutput]:
         """Queue a request (RequestRejected if it can never run); its outputs arrive on the queue."""
