@@ -26,7 +26,9 @@ class TableError(Exception):
     """A table file is missing or invalid; the message names the file and the field."""
 
 
-Decision = Literal["decode_local", "via_prefill"]
+# What a cell decides: a `decision.Route` value, as the JSON stores it (a `decision.Decision` is
+# the policy's whole answer: route, reason, predictions).
+RouteName = Literal["decode_local", "via_prefill"]
 
 
 class Conditions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -56,7 +58,7 @@ class Cell(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     via_prefill: Measurement  # x = 0
     decode_local: Measurement  # x = 1
     score: float
-    decision: Decision
+    decision: RouteName
 
 
 class Weights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -97,7 +99,7 @@ def parse_weights(text: str) -> Weights:
     return Weights(w_ttft, w_tpot)
 
 
-def decide(via_prefill: Measurement, decode_local: Measurement, weights: Weights) -> tuple[float, Decision]:
+def decide(via_prefill: Measurement, decode_local: Measurement, weights: Weights) -> tuple[float, RouteName]:
     s = score(decode_local.prediction(), via_prefill.prediction(), weights.w_ttft, weights.w_tpot)
     return s, ("decode_local" if s > 0 else "via_prefill")
 
