@@ -304,11 +304,7 @@ class EtcdSessions:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
         if self._client is None or not self._dirty:
             return
-        for session_id in list(self._dirty):
-            record = self.table.get(session_id)
-            if record is not None:
-                await self._write(record)
-            self._dirty.discard(session_id)
+        await self._write_dirty()
 
     # -- reads (local; `read_through` is the one that asks etcd) ---------------------------------
     def get(self, session_id: str) -> SessionRecord | None:
@@ -387,6 +383,14 @@ class EtcdSessions:
         task.add_done_callback(self._pending.discard)
         return task
 
+    async def _write_dirty(self) -> None:
+        """Write every session changed while etcd was away (one that was since evicted is dropped)."""
+        for session_id in list(self._dirty):
+            record = self.table.get(session_id)
+            if record is not None:
+                await self._write(record)
+            self._dirty.discard(session_id)
+
     async def _write(self, record: SessionRecord) -> None:
         """Put the record under its lease, refreshing the lease at the same time; a lease that is
         gone (expired, or revoked behind our back: its refresh answers TTL 0 without raising, and
@@ -452,11 +456,7 @@ class EtcdSessions:
 
     async def _resync(self) -> None:
         """Write back what changed while etcd was away, reload everything, then watch."""
-        for session_id in list(self._dirty):
-            record = self.table.get(session_id)
-            if record is not None:
-                await self._write(record)
-            self._dirty.discard(session_id)
+        await self._write_dirty()
         kvs, revision = await self._load()
         records = []
         for kv in kvs:
