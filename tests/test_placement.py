@@ -24,7 +24,7 @@ from dynamo_ppd.policy.placement import (
 from dynamo_ppd.policy.simulate import PolicyRouter
 from dynamo_ppd.router.args import parse_args
 from dynamo_ppd.router.metrics import RouterMetrics
-from dynamo_ppd.router.router import PpdRouter, _Plan
+from dynamo_ppd.router.router import PpdRouter, _Turn
 from dynamo_ppd.router.service import build_policy
 from dynamo_ppd.sim import Cluster, SimRequestFeatures
 from dynamo_ppd.sim.cluster import ClusterRequest
@@ -153,7 +153,7 @@ def simulated_state(first: list[int]) -> tuple[Cluster, list[int]]:
 
 
 async def routed_by_router(args: list[str], first: list[int], answer: list[int], follow_up: list[int],
-                           cluster: Cluster) -> tuple[PpdRouter, _Plan]:
+                           cluster: Cluster) -> tuple[PpdRouter, _Turn]:
     """The live router (in process) fed what it would know of the simulated state: the session's
     record of turn 1, the KV events of what P1 and D0 stored, its own counts of the HOT requests
     it routed to D0, and each worker's latest forward-pass metrics; then it plans turn 2."""
@@ -161,7 +161,7 @@ async def routed_by_router(args: list[str], first: list[int], answer: list[int],
     router = PpdRouter(None, config, build_policy(config), RouterMetrics(),
                        clients={"prefill": FakeClient([IDS["P0"], IDS["P1"]], "prefill"),
                                 "decode": FakeClient([IDS["D0"], IDS["D1"]], "decode")})
-    turn1 = _Plan(session_id="s", turn=1, prompt_tokens=len(first),
+    turn1 = _Turn(session_id="s", turn=1, prompt_tokens=len(first),
                   local_hashes=dynamo_block_hasher()(first, 32), chained=None, prefill=IDS["P1"],
                   decode=IDS["D0"])
     await router._record_turn(turn1, first, answer)

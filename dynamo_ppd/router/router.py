@@ -260,7 +260,7 @@ class PpdRouter:
             self.policy.observe(plan.decision, first_at - started, tpot)  # online calibration
         await self._record_turn(plan, tokens, output)
 
-    async def _plan(self, request: dict, tokens: list[int], forced: str | None = None) -> _Plan:
+    async def _plan(self, request: dict, tokens: list[int], forced: str | None = None) -> _Turn:
         """Decide the route and workers; ``forced``: a table-building client's route. The I/O
         around `planner.plan`: hash the prompt, find its session (etcd), read the residency index
         and the loads into the planner's views; then count, log and claim what the plan says."""
@@ -282,7 +282,7 @@ class PpdRouter:
             planner.TurnView(len(tokens), stop.get("max_tokens") or cfg.default_max_tokens,
                              self.rate.rate(time.monotonic()), Route(forced) if forced else None),
             replica_mode=replica_mode)
-        plan = _Plan(session_id=session_id, turn=turn, prompt_tokens=len(tokens), local_hashes=local_hashes,
+        plan = _Turn(session_id=session_id, turn=turn, prompt_tokens=len(tokens), local_hashes=local_hashes,
                      chained=residency_chain, decision=decided.decision, prefill=decided.prefill,
                      decode=decided.decode)
         decision = decided.decision
@@ -365,7 +365,7 @@ class PpdRouter:
         return reachable or ids
 
     # -- running a plan --------------------------------------------------------------------------
-    async def _run(self, plan: _Plan, request: dict, context) -> AsyncIterator[dict]:
+    async def _run(self, plan: _Turn, request: dict, context) -> AsyncIterator[dict]:
         """Stream the answer; when a worker fails, re-home the turn, and when it fails mid-answer,
         continue the answer elsewhere (the prompt plus the tokens already sent), so the client
         sees one uninterrupted stream. Bounded: `MAX_ATTEMPTS` workers per request."""
@@ -409,7 +409,7 @@ class PpdRouter:
                 self.loads.inflight[worker] -= 1
                 self.loads.context_tokens[worker] -= plan.prompt_tokens
 
-    def _stream(self, plan: _Plan, request: dict, context) -> AsyncIterator[dict]:
+    def _stream(self, plan: _Turn, request: dict, context) -> AsyncIterator[dict]:
         route = plan.decision.route
         if route is Route.REPLICA:
             return dispatch.replica(self.clients["replica"], request, plan.decode, context)
@@ -428,7 +428,7 @@ class PpdRouter:
                                             prefill, lambda: self._settle_decode(plan), context,
                                             prefill_done=release)
 
-    async def _settle_decode(self, plan: _Plan) -> int:
+    async def _settle_decode(self, plan: _Turn) -> int:
         """The decode worker, once a new session's claim is settled (the first claimant wins)."""
         if plan.claim is not None:
             claimed, plan.claim = await plan.claim, None
@@ -436,7 +436,7 @@ class PpdRouter:
                 plan.decode = claimed.decode_worker
         return plan.decode
 
-    def _rehome(self, plan: _Plan, failed: set[int], tokens: list[int]) -> None:
+    def _rehome(self, plan: _Turn, failed: set[int], tokens: list[int]) -> None:
         """After a worker failed: `planner.rehome` over the workers left (a live decode worker, the
         same one if only the prefill worker failed, and the policy's route to it for ``tokens``)."""
         self.metrics.rehomes.inc()
@@ -490,7 +490,7 @@ class PpdRouter:
             return fork, fork.session_id, fork.turn + 1
         return None, f"{header_id}{FORK_SEPARATOR}{uuid.uuid4().hex[:12]}", record.turn + 1
 
-    async def _record_turn(self, plan: _Plan, prompt: list[int], output: list[int]) -> None:
+    async def _record_turn(self, plan: _Turn, prompt: list[int], output: list[int]) -> None:
         """The turn is done: its decode worker now holds prompt + output; remember that."""
         history = prompt + output
         bs = self.config.block_size
@@ -509,9 +509,9 @@ class PpdRouter:
 
 
 @dataclass
-class _Plan:
-    """One request's route and the workers it uses while it runs (a `planner.Plan` to start with;
-    a re-home changes them)."""
+class _Turn:
+    """One turn in flight: its session, route and workers (`planner.Plan`'s to start with; a
+    re-home or a settled claim changes them), the state the streaming code reads and updates."""
 
     session_id: str
     turn: int
