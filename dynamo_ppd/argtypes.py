@@ -1,11 +1,20 @@
 """argparse types shared by the command lines (`dynamo_ppd.cli`) and the experiment shells in
-`dynamo_ppd.bench`. A bottom module: it imports nothing of the package, so any layer may use it."""
+`dynamo_ppd.bench`, and the one-line error they end with on a setting the user can fix. A bottom
+module: it imports nothing of the package, so any layer may use it."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
+
+
+def cli_error(message: object, code: int = 2) -> int:
+    """Print ``dynamo-ppd: error: message`` on stderr (argparse's form) and return the exit code:
+    2 for settings the user can fix, 1 for a run that failed."""
+    print(f"dynamo-ppd: error: {message}", file=sys.stderr)
+    return code
 
 
 def _positive(text: str, parse: Callable[[str], Any], what: str) -> Any:

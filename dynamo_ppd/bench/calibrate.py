@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -31,6 +30,7 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
+from ..argtypes import cli_error
 from ..engine.cost import CostModel, PrefillChunk
 from ..engine.profile import EngineProfile, ProfileError, dump_profile, load_profile
 
@@ -307,8 +307,7 @@ def main(args: argparse.Namespace) -> int:
         base = load_profile(args.profile)
         measurements = load_measurements(args.points)
     except (ProfileError, CalibrationError) as exc:
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error(exc)
     result = calibrate(base, measurements, args.name)
     print(f"calibrated {base.name} on {len(measurements.points)} points measured on "
           f"{measurements.hardware!r}")

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..argtypes import comma_choices, positive_floats, positive_int, positive_seconds
+from ..argtypes import cli_error, comma_choices, positive_floats, positive_int, positive_seconds
 from ..launch import ServeOptions, start
 from ..launch.graph import load_graph
 from ..launch.process import free_port
@@ -317,5 +317,4 @@ def main(args: argparse.Namespace) -> int:
         write(res.BenchResults(version=res.RESULTS_VERSION, config="external", points=points), args.out)
         return 0
     except (ManifestError, UnknownWorkload, ValueError, OSError) as exc:
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error(exc)

@@ -26,6 +26,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from ..argtypes import cli_error
 from ..engine.profile import EngineProfile, ProfileError, load_profile
 from ..sim.outcome import SUCCESS_BAR
 from . import plots
@@ -297,8 +298,7 @@ def main(args: argparse.Namespace) -> int:
             specs = [s for c in configs for s in paper_specs(c, args.workloads, args.qps, args.seed)]
             link = resolve_link(args.link)
     except (ProfileError, PaperDataError, ValueError) as exc:
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error(exc)
     if args.points is None:
         simulated = run_points(profile, specs, link, args.jobs, label="sim fidelity")
         profile_name = profile.name

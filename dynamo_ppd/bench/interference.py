@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -65,7 +64,7 @@ from typing import Literal
 
 import msgspec
 
-from ..argtypes import positive_int
+from ..argtypes import cli_error, positive_int
 from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, load_profile
 from ..engine.scheduler import Engine, EngineRequest, TokenOutput
 from . import interference_paper as paper
@@ -389,8 +388,7 @@ def main(args: argparse.Namespace) -> int:
         run = _run_paper if args.protocol == "paper" else _run_closed_loop
         points, lines, draw = run(args, profile)
     except (ProfileError, ValueError) as exc:  # a bad profile, or a sweep it cannot run
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error(exc)
     for line in lines:
         print(line)
     if args.json:

@@ -19,14 +19,13 @@ import argparse
 import csv
 import io
 import os
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import msgspec
 
-from ..argtypes import comma_choices, positive_floats, positive_int
+from ..argtypes import cli_error, comma_choices, positive_floats, positive_int
 from ..engine.profile import EngineProfile, ProfileError, TransferConstants, link_preset, load_profile
 from ..sim import Cluster, Conversation, simulate
 from ..sim.outcome import PAPER_TIMEOUT_S, SUCCESS_BAR, paper_columns
@@ -181,8 +180,7 @@ def main(args: argparse.Namespace) -> int:
         profile = load_profile(args.profile)
         link = resolve_link(args.link)
     except (ProfileError, ValueError) as exc:
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error(exc)
     points = run_points(profile, specs, link, args.jobs, label=f"sim paper {args.config}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(points_csv(points))

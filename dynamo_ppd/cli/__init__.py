@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..argtypes import replica_counts
+from ..argtypes import cli_error, replica_counts
 
 
 def _port(text: str) -> int:
@@ -207,8 +207,7 @@ def _ctl(args) -> int:
             print(f"restarted {answer['label']}: down {answer['down_s']} s, ready "
                   f"{answer['ready_after_s']} s after it was stopped")
     except (ControlError, ValueError) as exc:
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 1
+        return cli_error(exc, 1)
     return 0
 
 
@@ -293,9 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return chaos_cli.main(args)
     except (GraphError, BadInput, ModelDirError, ProfileError) as exc:
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error(exc)
     except LaunchError as exc:
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 1
+        return cli_error(exc, 1)
     raise AssertionError(f"unhandled command {args.command}")

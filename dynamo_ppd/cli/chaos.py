@@ -8,6 +8,7 @@ from pathlib import Path
 
 import msgspec
 
+from ..argtypes import cli_error
 from ..chaos import experiment
 from ..chaos.report import reanalyze
 from ..chaos.run import FAULT_REPLICAS, FAULTS, RunSettings
@@ -71,22 +72,18 @@ def main(args: argparse.Namespace) -> int:
         try:
             report, records = experiment.load(args.out)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            print(f"dynamo-ppd: error: cannot reanalyze {args.out}: {exc}", file=sys.stderr)
-            return 2
+            return cli_error(f"cannot reanalyze {args.out}: {exc}")
         report = reanalyze(report, records, window_s=args.window, recovery_window_s=args.recovery_window,
                            tolerance=args.tolerance)
         experiment.write(report, args.out, None)
         return 0 if experiment.all_passed(report) else 1
 
     if not 0 < args.fault_at < args.duration:
-        print("dynamo-ppd: error: --fault-at must be inside the run (0 < --fault-at < --duration)",
-              file=sys.stderr)
-        return 2
+        return cli_error("--fault-at must be inside the run (0 < --fault-at < --duration)")
     try:
         manifest = make_workload(args.workload, args.qps, args.duration, args.seed)
     except (UnknownWorkload, ValueError) as exc:
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error(exc)
     settings = RunSettings(graph=args.graph, rate=args.qps, duration_s=args.duration,
                            fault_at_s=args.fault_at, workload=args.workload, seed=args.seed,
                            replicas=args.replicas, target=args.target, aim_s=args.aim,

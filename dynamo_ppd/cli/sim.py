@@ -6,12 +6,11 @@ every request record as JSON. The simulation itself is `dynamo_ppd.sim.run.simul
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import msgspec
 
-from ..argtypes import positive_seconds
+from ..argtypes import cli_error, positive_seconds
 from ..engine import DEFAULT_PROFILE, ProfileError, load_profile
 from ..sim.cluster import Cluster
 from ..sim.conversation import synthetic_workload
@@ -108,8 +107,7 @@ def main(args: argparse.Namespace) -> int:
                                            args.turns, args.think_time, args.seed)
         result = simulate(cluster, conversations, router, timeout_s=args.timeout)
     except (ProfileError, RoutingError, ValueError) as exc:
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error(exc)
     print(f"{args.config} router {args.router}, profile {profile.name}: {len(conversations)} conversations "
           f"of {args.turns} turns at {args.rate:g}/s for {args.duration:g} s")
     print(format_summary(result))

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from ..argtypes import positive_int
+from ..argtypes import cli_error, positive_int
 from ..engine.profile import DEFAULT_PROFILE
 from ..policy.table import (
     CONFIGS,
@@ -180,16 +179,14 @@ def main(args: argparse.Namespace) -> int:
             print(f"wrote {args.out}: {changed} of {len(out.cells)} decisions changed")
         return 0
     except TableError as exc:
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error(exc)
 
 
 def _build(args) -> int:
     if args.backend == "live":
         if not args.url:
-            print("dynamo-ppd: error: --backend live needs --url of a running deployment "
-                  "(dynamo-ppd serve ppd prints it)", file=sys.stderr)
-            return 2
+            return cli_error("--backend live needs --url of a running deployment "
+                             "(dynamo-ppd serve ppd prints it)")
         from ..bench.table_live import build_live_table
 
         table = build_live_table(args.url, args.config, args.weights,
