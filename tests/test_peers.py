@@ -19,8 +19,8 @@ from dynamo_ppd.sim.peers import (
     make_peer_router,
 )
 from dynamo_ppd.sim.routing import (
-    Aggregated,
     DecodeLocal,
+    Replica,
     RoutingError,
     SimRequestFeatures,
     ViaPrefill,
@@ -48,7 +48,7 @@ class FakeView:
                  loads: dict[str, LoadSnapshot] | None = None, inflight: dict[str, int] | None = None):
         self.prefill_workers = [f"P{i}" for i in range(prefill)]
         self.decode_workers = [f"D{i}" for i in range(decode)]
-        self.aggregated_workers = [f"A{i}" for i in range(agg)]
+        self.replica_workers = [f"A{i}" for i in range(agg)]
         self.block_size = BS
         self.cached = cached or {}
         self.loads = loads or {}
@@ -155,9 +155,9 @@ def test_conditional_disagg_needs_disaggregated_workers():
 
 def test_dynamo_kv_agg_prefers_overlap_until_load_outweighs_it():
     router = DynamoKvRouter()
-    assert router(turn(3000), FakeView(0, 0, 4, cached={"A2": 2912})) == Aggregated("A2")
+    assert router(turn(3000), FakeView(0, 0, 4, cached={"A2": 2912})) == Replica("A2")
     loaded = FakeView(0, 0, 4, cached={"A2": 2912}, loads={"A2": load(waiting_prompt_tokens=4000)})
-    assert router(turn(3000), loaded) != Aggregated("A2")  # 125 blocks of queued prefill > 91 cached
+    assert router(turn(3000), loaded) != Replica("A2")  # 125 blocks of queued prefill > 91 cached
     with pytest.raises(RoutingError, match="aggregated workers"):
         router(turn(100), FakeView())
 

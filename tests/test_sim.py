@@ -19,15 +19,15 @@ from dynamo_ppd.sim.conversation import (
     synthetic_workload,
 )
 from dynamo_ppd.sim.routing import (
-    Aggregated,
     DecodeLocal,
+    Replica,
     RoutingError,
     SimRequestFeatures,
     ViaPrefill,
-    agg_router,
     fraction_router,
     local_router,
     pd_router,
+    replica_router,
 )
 from dynamo_ppd.sim.run import RequestRecord, SimResult, simulate
 
@@ -182,8 +182,8 @@ def test_slower_link_raises_pd_turn2_ttft_but_not_local():
     (ViaPrefill("P9", "D0"), "'P9'"),
     (ViaPrefill("P0", "P0"), "'P0' as a decode worker"),
     (DecodeLocal("D7"), "'D7'"),
-    (Aggregated("A0"), "aggregated workers are: none"),
-    ("D0", "not a ViaPrefill, DecodeLocal or Aggregated"),
+    (Replica("A0"), "replica workers are: none"),
+    ("D0", "not a ViaPrefill, DecodeLocal or Replica"),
 ])
 def test_router_cannot_pick_a_nonexistent_worker(route, wrong):
     with pytest.raises(RoutingError, match=wrong):
@@ -222,9 +222,9 @@ def test_fraction_router_is_deterministic_and_spans_pd_to_local():
         fraction_router(1.5)
 
 
-def test_agg_router_follows_the_cached_prefix():
+def test_replica_router_follows_the_cached_prefix():
     work = synthetic_workload(3.0, 4.0, (512, 16), (64, 16), turns=3, seed=1)
-    result = run("4R", work, agg_router)
+    result = run("4R", work, replica_router)
     assert {r.route for r in result.records} == {"aggregated"}
     assert len({r.decode_worker for r in by_turn(result, 1)}) == 4  # new conversations spread
     home = {r.conversation_id: r.decode_worker for r in by_turn(result, 1)}
@@ -233,7 +233,7 @@ def test_agg_router_follows_the_cached_prefix():
         if r.turn > 1:
             assert r.cached_tokens >= r.prompt_tokens - r.new_tokens - BLOCK
     with pytest.raises(RoutingError, match="aggregated"):
-        run("1P1D", work, agg_router)
+        run("1P1D", work, replica_router)
 
 
 def test_until_stops_the_clock():

@@ -12,14 +12,14 @@ from dynamo_ppd.engine import load_profile
 from dynamo_ppd.engine.profile import LINK_PRESETS, ProfileError, StackCosts, link_preset
 from dynamo_ppd.sim import Cluster, Conversation, Turn, simulate
 from dynamo_ppd.sim.routing import (
-    Aggregated,
     DecodeLocal,
+    Replica,
     ViaPrefill,
-    agg_router,
     local_router,
     paper_proxy_router,
     parse_paper_config,
     pd_router,
+    replica_router,
 )
 
 pytestmark = pytest.mark.unit
@@ -53,8 +53,9 @@ def test_stack_costs_add_exactly_where_the_stack_pays_them():
     costs = StackCosts(request_overhead_s=0.020, handoff_overhead_s=0.050, decode_local_overhead_s=0.007)
     costly = msgspec.structs.replace(PROFILE, stack=costs)
     two_turns = (Turn(500, 8), Turn(100, 8))
-    # Aggregated: the request overhead only, on every turn.
-    base, paid = ttfts(PROFILE, "1R", agg_router, two_turns), ttfts(costly, "1R", agg_router, two_turns)
+    # Replica: the request overhead only, on every turn.
+    base = ttfts(PROFILE, "1R", replica_router, two_turns)
+    paid = ttfts(costly, "1R", replica_router, two_turns)
     assert [p - b for p, b in zip(paid, base, strict=True)] == pytest.approx([0.020, 0.020])
     # Via prefill: the request overhead plus the handoff, on every turn.
     base, paid = ttfts(PROFILE, "1P1D", pd_router, two_turns), ttfts(costly, "1P1D", pd_router, two_turns)
@@ -117,13 +118,13 @@ def test_paper_proxy_places_conversations_as_the_authors_proxy():
     from dynamo_ppd.sim.routing import SimRequestFeatures
     features = SimRequestFeatures("c007", 1, 10, 10, 4, None, 0, 0.0, [])
     assert router(features, cluster.view) == again(features, cluster.view)
-    assert isinstance(router(features, cluster.view), (Aggregated, ViaPrefill, DecodeLocal))
+    assert isinstance(router(features, cluster.view), (Replica, ViaPrefill, DecodeLocal))
 
 
 def test_a_history_sent_as_text_is_prefilled_again_past_the_previous_prompt():
     def second_turn(history_as_text: bool):
         conversation = Conversation("c", 0.0, [Turn(300, 200), Turn(40, 4)], history_as_text=history_as_text)
-        records = simulate(Cluster.from_config(PROFILE, "1R"), [conversation], agg_router).records
+        records = simulate(Cluster.from_config(PROFILE, "1R"), [conversation], replica_router).records
         return next(r for r in records if r.turn == 2)
 
     tokens, text = second_turn(False), second_turn(True)
@@ -138,8 +139,8 @@ def test_a_history_sent_as_text_is_prefilled_again_past_the_previous_prompt():
 def test_the_client_pool_queues_conversations_and_their_wait_counts_in_ttft():
     # Four conversations at once, two connections: the last two start when the first two end.
     conversations = [Conversation(f"c{i}", 0.0, [Turn(100, 50), Turn(20, 50)]) for i in range(4)]
-    pooled = simulate(Cluster.from_config(PROFILE, "2R"), conversations, agg_router, max_connections=2)
-    free = simulate(Cluster.from_config(PROFILE, "2R"), conversations, agg_router)
+    pooled = simulate(Cluster.from_config(PROFILE, "2R"), conversations, replica_router, max_connections=2)
+    free = simulate(Cluster.from_config(PROFILE, "2R"), conversations, replica_router)
     ended = {c: max(r.finished_s for r in pooled.records if r.conversation_id == c) for c in ("c0", "c1")}
     later = [r for r in pooled.records if r.conversation_id in ("c2", "c3") and r.turn == 1]
     assert len(later) == 2
@@ -149,7 +150,7 @@ def test_the_client_pool_queues_conversations_and_their_wait_counts_in_ttft():
     assert max(r.ttft_s for r in pooled.records if r.turn == 1) > 2 * max(
         r.ttft_s for r in free.records if r.turn == 1)
     # A deadline that passes while waiting for a connection fails the turn; nothing is lost.
-    timed = simulate(Cluster.from_config(PROFILE, "1R"), conversations, agg_router, max_connections=1,
+    timed = simulate(Cluster.from_config(PROFILE, "1R"), conversations, replica_router, max_connections=1,
                      timeout_s=0.5)
     outcome = timed.outcome()
     assert outcome.total_requests >= 4 and outcome.failed >= 3

@@ -14,7 +14,7 @@ from dynamo_ppd.engine import load_profile
 from dynamo_ppd.launch import ServeOptions, start
 from dynamo_ppd.launch.process import free_port
 from dynamo_ppd.launch.servers import dynamo_env
-from dynamo_ppd.sim import Cluster, Conversation, Turn, agg_router, simulate
+from dynamo_ppd.sim import Cluster, Conversation, Turn, replica_router, simulate
 from dynamo_ppd.sim.conversation import ConversationPrompts
 
 pytestmark = pytest.mark.e2e
@@ -96,7 +96,7 @@ def test_wall_clock_worker_agrees_with_virtual_clock_simulation(model_dir, tmp_p
         live = asyncio.run(_live(dep.endpoints))
     finally:
         dep.stop()
-    sim = simulate(Cluster(load_profile(), 0, 0, num_agg=1), WORKLOAD, agg_router)
+    sim = simulate(Cluster(load_profile(), 0, 0, num_replica=1), WORKLOAD, replica_router)
     virtual = {(r.conversation_id, r.turn): (r.ttft_s, r.tpot_s) for r in sim.records}
     assert live.keys() == virtual.keys() and len(live) == 12
 

@@ -11,22 +11,22 @@ cluster and `outcome` summarizes them. Pure: no I/O; the `dynamo-ppd sim run` co
 from .cluster import Cluster, ClusterView, parse_config
 from .conversation import Conversation, Turn, synthetic_workload
 from .routing import (
-    Aggregated,
     Assignment,
     DecodeLocal,
+    Replica,
     Router,
     RoutingError,
     SimRequestFeatures,
     ViaPrefill,
-    agg_router,
     fraction_router,
     local_router,
     make_router,
     pd_router,
+    replica_router,
 )
 from .run import RequestRecord, SimResult, simulate
 
-__all__ = ["Aggregated", "Assignment", "Cluster", "ClusterView", "Conversation", "DecodeLocal",
+__all__ = ["Assignment", "Cluster", "ClusterView", "Conversation", "DecodeLocal", "Replica",
            "RequestRecord", "Router", "RoutingError", "SimRequestFeatures", "SimResult", "Turn", "ViaPrefill",
-           "agg_router", "fraction_router", "local_router", "make_router", "parse_config", "pd_router",
+           "fraction_router", "local_router", "make_router", "parse_config", "pd_router", "replica_router",
            "simulate", "synthetic_workload"]

@@ -45,16 +45,16 @@ from ..engine import (
 )
 from ..engine.handoff import decode_leg, prefill_leg, ship_prompt_kv
 from ..engine.profile import TransferConstants
-from .routing import Aggregated, Assignment, DecodeLocal, RoutingError, ViaPrefill
+from .routing import Assignment, DecodeLocal, Replica, RoutingError, ViaPrefill
 
 
 class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
-    AGGREGATED = "aggregated"
+    REPLICA = "replica"
 
 
-_ID_PREFIX = {Role.PREFILL: "P", Role.DECODE: "D", Role.AGGREGATED: "A"}
+_ID_PREFIX = {Role.PREFILL: "P", Role.DECODE: "D", Role.REPLICA: "A"}  # ids as records show them
 
 
 def parse_config(text: str) -> tuple[int, int, int]:
@@ -111,7 +111,7 @@ class ClusterRequest:
 
     @property
     def serving_worker(self) -> str:
-        return self.assignment.worker if isinstance(self.assignment, Aggregated) else self.assignment.decode
+        return self.assignment.worker if isinstance(self.assignment, Replica) else self.assignment.decode
 
 
 class _Event(enum.IntEnum):
@@ -123,14 +123,14 @@ class _Event(enum.IntEnum):
 class Cluster:
     """Workers P0.., D0.., A0.. of one engine profile, and the clock that drives them."""
 
-    def __init__(self, profile: EngineProfile, num_prefill: int, num_decode: int, num_agg: int = 0,
+    def __init__(self, profile: EngineProfile, num_prefill: int, num_decode: int, num_replica: int = 0,
                  link_bandwidth_bytes_s: float | None = None, seed: int = 0,
                  capacity_blocks: int | None = None, link: TransferConstants | None = None,
                  decode_runs: bool = True):
         """``link`` replaces the profile's KV link (a preset); ``link_bandwidth_bytes_s`` then
         overrides its bandwidth alone (a bandwidth sweep). ``decode_runs`` False: every
         iteration is its own event (the reference that runs of iterations are tested against)."""
-        if min(num_prefill, num_decode, num_agg) < 0 or num_prefill + num_decode + num_agg == 0:
+        if min(num_prefill, num_decode, num_replica) < 0 or num_prefill + num_decode + num_replica == 0:
             raise ValueError("a cluster needs at least one worker and no negative counts")
         self.profile = profile
         self.stack = profile.stack
@@ -143,7 +143,7 @@ class Cluster:
         self.workers: dict[str, Worker] = {}
         index = itertools.count()
         for role, count in ((Role.PREFILL, num_prefill), (Role.DECODE, num_decode),
-                            (Role.AGGREGATED, num_agg)):
+                            (Role.REPLICA, num_replica)):
             for i in range(count):
                 worker_id = f"{_ID_PREFIX[role]}{i}"
                 # Distinct seeds: P and D must not sample the same tokens for the same request id.
@@ -221,20 +221,20 @@ class Cluster:
             request.prefill = prefill_leg(request.request_id, request.prompt, request.prompt_hashes)
             self._submit(prefill, request.prefill, stack.request_overhead_s)
             decode.inflight += 1  # counted from now: the router has committed to it
-        elif isinstance(assignment, (DecodeLocal, Aggregated)):
+        elif isinstance(assignment, (DecodeLocal, Replica)):
             delay_s = stack.request_overhead_s
             if isinstance(assignment, DecodeLocal):
                 decode = self._worker(assignment.decode, Role.DECODE, assignment)
                 delay_s += stack.decode_local_overhead_s
             else:
-                decode = self._worker(assignment.worker, Role.AGGREGATED, assignment)
+                decode = self._worker(assignment.worker, Role.REPLICA, assignment)
             request.serving = EngineRequest(request.request_id, request.prompt, request.max_tokens,
                                             RequestKind.CONTEXT_AND_GENERATION,
                                             prompt_hashes=request.prompt_hashes)
             self._submit(decode, request.serving, delay_s)
         else:
             raise RoutingError(f"a router returned {assignment!r}, which is not a ViaPrefill, DecodeLocal "
-                               f"or Aggregated assignment")
+                               f"or Replica assignment")
         self._requests[request.request_id] = request
         self.sessions[request.conversation_id] = decode.worker_id
 
@@ -349,7 +349,7 @@ class ClusterView:
         self._cluster = cluster
         self.prefill_workers = cluster.ids(Role.PREFILL)
         self.decode_workers = cluster.ids(Role.DECODE)
-        self.aggregated_workers = cluster.ids(Role.AGGREGATED)
+        self.replica_workers = cluster.ids(Role.REPLICA)
         self.block_size = cluster.block_size
         self._hashed: tuple[list[int], list[int]] | None = None  # (tokens, their block hashes)
 

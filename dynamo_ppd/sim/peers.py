@@ -42,7 +42,7 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from .routing import Aggregated, Assignment, DecodeLocal, Router, RoutingError, SimRequestFeatures, ViaPrefill
+from .routing import Assignment, DecodeLocal, Replica, Router, RoutingError, SimRequestFeatures, ViaPrefill
 
 if TYPE_CHECKING:
     from ..engine import EngineProfile
@@ -135,11 +135,11 @@ class DynamoKvRouter:
         self.__name__ = "dynamo-kv-agg"
 
     def __call__(self, features: SimRequestFeatures, view: ClusterView) -> Assignment:
-        workers = view.aggregated_workers
+        workers = view.replica_workers
         if not workers:
             raise RoutingError("dynamo-kv-agg needs aggregated workers (config like 4R); "
                                "the cluster has none")
-        return Aggregated(_argmin(workers, lambda w: dynamo_worker_logit(
+        return Replica(_argmin(workers, lambda w: dynamo_worker_logit(
             view, w, features, track_active_blocks=True), self._rng))
 
 

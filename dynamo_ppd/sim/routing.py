@@ -13,7 +13,9 @@ name alone), each naming the workers that execute it, as the live router would:
   whole KV cache is sent to ``decode``.
 - `DecodeLocal(decode)`: PPD's x=1. ``decode`` runs the (append-)prefill itself, reusing the
   conversation's KV it already holds; nothing is transferred.
-- `Aggregated(worker)`: a replica worker does prefill and decode (no disaggregation).
+- `Replica(worker)`: a replica, an aggregated worker, does prefill and decode (no
+  disaggregation): the paper's Replica, the R of a config like 4R (Dynamo and the graphs say
+  ``agg``; the records' route name is ``aggregated``).
 """
 
 from __future__ import annotations
@@ -39,15 +41,16 @@ class DecodeLocal(msgspec.Struct, frozen=True):
     decode: str
 
 
-class Aggregated(msgspec.Struct, frozen=True):
+class Replica(msgspec.Struct, frozen=True):
     worker: str
 
 
-Assignment = ViaPrefill | DecodeLocal | Aggregated
+Assignment = ViaPrefill | DecodeLocal | Replica
 
 
 def route_name(assignment: Assignment) -> str:
-    """The route's name a record stores: via_prefill, decode_local or aggregated."""
+    """The route's name a record stores: via_prefill, decode_local, or aggregated for a replica
+    (the spelling `sim run --json` has always written; the live router's is `Route.REPLICA`)."""
     if isinstance(assignment, ViaPrefill):
         return "via_prefill"
     if isinstance(assignment, DecodeLocal):
@@ -159,19 +162,19 @@ def fraction_router(x: float, seed: int = 0) -> Router:
     return route
 
 
-def agg_router(features: SimRequestFeatures, view: ClusterView) -> Assignment:
+def replica_router(features: SimRequestFeatures, view: ClusterView) -> Assignment:
     """Replicas: the aggregated worker holding the longest prefix of the prompt; ties (a new
     conversation) to the least loaded, as `least_loaded_decode` ranks them."""
-    workers = view.aggregated_workers
+    workers = view.replica_workers
     if not workers:
-        raise RoutingError("agg_router needs aggregated workers (config like 4R); the cluster has none")
+        raise RoutingError("replica_router needs aggregated workers (config like 4R); the cluster has none")
 
     def key(worker: str) -> tuple[int, int, int, str]:
         load = view.load(worker)
         return (-view.cached_prefix_tokens(worker, features.token_ids),
                 load.kv_active_blocks + view.inflight(worker), load.kv_used_blocks, worker)
 
-    return Aggregated(min(workers, key=key))
+    return Replica(min(workers, key=key))
 
 
 class PaperConfig(msgspec.Struct, frozen=True):
@@ -234,11 +237,11 @@ def paper_proxy_router(config: PaperConfig, seed: int = 0) -> Router:
     def place(conversation_id: str) -> Assignment:
         h = random.Random(f"{seed}:{conversation_id}").getrandbits(64)
         if not prefill:
-            return Aggregated(replicas[h % len(replicas)])
+            return Replica(replicas[h % len(replicas)])
         if replicas:
             slot = h % (len(replicas) + len(capable) + len(plain))
             if slot < len(replicas):
-                return Aggregated(replicas[slot])
+                return Replica(replicas[slot])
             decode = (capable + plain)[slot - len(replicas)]
         else:
             decode = (plain + capable)[h % (len(plain) + len(capable))]
@@ -268,7 +271,7 @@ def make_router(name: str, local_fraction: float = 0.5, seed: int = 0) -> Router
     if name == "fraction":
         return fraction_router(local_fraction, seed)
     if name == "agg":
-        return agg_router
+        return replica_router
     from .peers import PEER_ROUTERS, make_peer_router  # here: peers imports this module
     if name in PEER_ROUTERS:
         return make_peer_router(name, seed)
