@@ -39,7 +39,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..argtypes import comma_choices, positive_floats, positive_int
+from ..argtypes import cli_error, comma_choices, positive_floats, positive_int
 from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, link_preset, load_profile
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
@@ -518,8 +518,7 @@ def main(args: argparse.Namespace) -> int:
             known = ", ".join(policy_names())
             raise ValueError(f"unknown policies {', '.join(unknown)}; choose from {known}")
     except (ProfileError, ValueError) as exc:
-        print(f"dynamo-ppd: error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error(exc)
     specs = [CompareSpec(args.profile, c, link, w, r, policy, args.seed) for c in args.configs
              for link in args.links for w in args.workloads for r in args.rates for policy in policies]
     points: list[PolicyPoint] = []
@@ -528,12 +527,10 @@ def main(args: argparse.Namespace) -> int:
         try:
             previous = msgspec.json.decode(args.reuse.read_bytes(), type=CompareReport)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            print(f"dynamo-ppd: error: --reuse {args.reuse}: {exc}", file=sys.stderr)
-            return 2
+            return cli_error(f"--reuse {args.reuse}: {exc}")
         if previous.profile != args.profile or previous.seeds != [args.seed]:
-            print(f"dynamo-ppd: error: --reuse {args.reuse} was run with profile {previous.profile} and "
-                  f"seeds {previous.seeds}, not {args.profile} and [{args.seed}]", file=sys.stderr)
-            return 2
+            return cli_error(f"--reuse {args.reuse} was run with profile {previous.profile} and "
+                             f"seeds {previous.seeds}, not {args.profile} and [{args.seed}]")
         wanted = {(s.config, s.link, s.workload, s.rate, s.policy) for s in specs}
         points = [p for p in previous.points if (p.config, p.link, p.workload, p.rate, p.policy) in wanted]
         have = {(p.config, p.link, p.workload, p.rate, p.policy) for p in points}
