@@ -8,8 +8,8 @@ import pytest
 from dynamo_ppd.bench.paper import run_protocol
 from dynamo_ppd.engine import LoadSnapshot, load_profile
 from dynamo_ppd.sim.peers import (
-    AGGREGATED_PEERS,
     PEER_ROUTERS,
+    REPLICA_PEERS,
     DynamoConditionalDisagg,
     DynamoKvRouter,
     LlmdPrefixPd,
@@ -222,7 +222,7 @@ def test_make_router_resolves_every_peer_and_rejects_unknown_names():
 @pytest.mark.parametrize("name", sorted(PEER_ROUTERS))
 def test_every_peer_serves_a_paper_point(name):
     profile = load_profile()
-    config = "4R" if name in AGGREGATED_PEERS else "1P3D"
+    config = "4R" if name in REPLICA_PEERS else "1P3D"
     result = run_protocol(profile, config, make_peer_router(name, profile=profile), "small_mid_bal", 2.0)
     outcome = result.outcome()
     assert outcome.total_requests > 0

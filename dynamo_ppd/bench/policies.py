@@ -79,7 +79,7 @@ def _peers() -> list[str]:
     # dynamo-isl-or-load is the same rule as dynamo-isl-or-load-ours (Dynamo 1.6.1 has no default
     # busy threshold, so both use our graph's 0.5): run it once.
     return [name for name in peers.PEER_ROUTERS
-            if name not in peers.AGGREGATED_PEERS and name != "dynamo-isl-or-load"]
+            if name not in peers.REPLICA_PEERS and name != "dynamo-isl-or-load"]
 
 
 def policy_names(weights: Iterable[float] = WEIGHTS) -> list[str]:

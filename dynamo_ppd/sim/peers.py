@@ -377,9 +377,9 @@ PEER_ROUTERS: dict[str, PeerFactory] = {
 }
 
 
-# Peers that route over aggregated workers: run them on a replica configuration (1P3D -> 4R); the
-# others need prefill and decode workers.
-AGGREGATED_PEERS: frozenset[str] = frozenset({"dynamo-kv-agg"})
+# Peers that route over replicas (aggregated workers): run them on a replica configuration
+# (1P3D -> 4R); the others need prefill and decode workers.
+REPLICA_PEERS: frozenset[str] = frozenset({"dynamo-kv-agg"})
 
 
 def make_peer_router(name: str, seed: int = 0, profile: EngineProfile | None = None) -> Router:
