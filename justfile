@@ -13,7 +13,7 @@ serve graph="ppd" *args:
 test *args:
     uv run pytest {{args}}
 
-# The unit tier without its slow tests (in process, no servers, each under ~2 s; ~20 s in all): run it after every change.
+# The unit tier without its slow tests (in process, no servers, each under ~2 s; ~15 s in all): run it after every change.
 test-fast *args:
     uv run pytest -m "unit and not slow" -q {{args}}
 
