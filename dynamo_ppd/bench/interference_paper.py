@@ -107,7 +107,7 @@ class MeasuredFile(msgspec.Struct, frozen=True):
     repeat_times: int
 
 
-class MeasuredPoint(msgspec.Struct, frozen=True):
+class MeasuredTpot(msgspec.Struct, frozen=True):
     """Decode TPOT over the repeats of one measured point."""
 
     kind: str | None  # None: decode only
@@ -137,13 +137,13 @@ def _read(path: Path) -> MeasuredFile:
     return data
 
 
-def _summary(kind: str | None, k: int, batch: int, rows: Sequence[MeasuredRow]) -> MeasuredPoint:
+def _summary(kind: str | None, k: int, batch: int, rows: Sequence[MeasuredRow]) -> MeasuredTpot:
     tpots = [r.decode_avg_tpot_ms for r in rows]
-    return MeasuredPoint(kind, k, batch, statistics.fmean(tpots), min(tpots), max(tpots),
+    return MeasuredTpot(kind, k, batch, statistics.fmean(tpots), min(tpots), max(tpots),
                          statistics.pstdev(tpots), len(tpots))
 
 
-def load_measured(path: Path = MEASURED_CORE) -> dict[MeasuredKey, MeasuredPoint]:
+def load_measured(path: Path = MEASURED_CORE) -> dict[MeasuredKey, MeasuredTpot]:
     """The authors' core experiment by (kind, prefill count, decode count); decode count 0 (no
     decode TPOT) and repeats where a decode request failed are left out."""
     groups: dict[MeasuredKey, list[MeasuredRow]] = defaultdict(list)
@@ -153,7 +153,7 @@ def load_measured(path: Path = MEASURED_CORE) -> dict[MeasuredKey, MeasuredPoint
     return {key: _summary(*key, rows) for key, rows in sorted(groups.items(), key=lambda kv: str(kv[0]))}
 
 
-def load_sensitivity(path: Path = MEASURED_SENSITIVITY) -> tuple[MeasuredPoint, dict[int, MeasuredPoint]]:
+def load_sensitivity(path: Path = MEASURED_SENSITIVITY) -> tuple[MeasuredTpot, dict[int, MeasuredTpot]]:
     """The append-length sweep at decode batch 64: (decode-only baseline, points by append tokens)."""
     base: list[MeasuredRow] = []
     by_length: dict[int, list[MeasuredRow]] = defaultdict(list)
@@ -168,7 +168,7 @@ def load_sensitivity(path: Path = MEASURED_SENSITIVITY) -> tuple[MeasuredPoint, 
             {n: _summary("append", 1, SENSITIVITY_BATCH, rows) for n, rows in sorted(by_length.items())})
 
 
-def measured_slowdown(measured: dict[MeasuredKey, MeasuredPoint], kind: str, k: int,
+def measured_slowdown(measured: dict[MeasuredKey, MeasuredTpot], kind: str, k: int,
                       batch: int) -> float | None:
     """Mean TPOT with the prefills / mean TPOT without - 1, as the authors' plot computes it."""
     point, base = measured.get((kind, k, batch)), measured.get((None, 0, batch))
@@ -267,7 +267,7 @@ def sensitivity(profile: EngineProfile,
 
 
 # -- output ------------------------------------------------------------------------------------------
-def format_table(points: Sequence[InterferencePoint], measured: dict[MeasuredKey, MeasuredPoint]) -> str:
+def format_table(points: Sequence[InterferencePoint], measured: dict[MeasuredKey, MeasuredTpot]) -> str:
     header = (f"{'kind':<7}{'k':>3}{'batch':>7}{'context':>9}{'base_ms':>10}{'tpot_ms':>10}{'slowdown':>10}"
               f"{'meas_base':>11}{'meas_tpot':>11}{'meas_slow':>11}   paper")
     lines = [header, "-" * len(header)]
@@ -283,7 +283,7 @@ def format_table(points: Sequence[InterferencePoint], measured: dict[MeasuredKey
     return "\n".join(lines)
 
 
-def done_when(points: Sequence[InterferencePoint], measured: dict[MeasuredKey, MeasuredPoint]) -> list[str]:
+def done_when(points: Sequence[InterferencePoint], measured: dict[MeasuredKey, MeasuredTpot]) -> list[str]:
     """The issue's check at decode batch 200, one prefill, beside the data file's own reading."""
     lines = []
     for p in points:
@@ -299,9 +299,9 @@ def done_when(points: Sequence[InterferencePoint], measured: dict[MeasuredKey, M
     return lines
 
 
-def plot(points: Sequence[InterferencePoint], measured: dict[MeasuredKey, MeasuredPoint], path: Path,
+def plot(points: Sequence[InterferencePoint], measured: dict[MeasuredKey, MeasuredTpot], path: Path,
          title: str, sensitivity_model: dict[int, float] | None = None,
-         sensitivity_measured: tuple[MeasuredPoint, dict[int, MeasuredPoint]] | None = None) -> None:
+         sensitivity_measured: tuple[MeasuredTpot, dict[int, MeasuredTpot]] | None = None) -> None:
     """Decode TPOT vs decode batch, one panel per prefill count: the measured means with min-max
     bars over the 5 repeats (markers) beside the model (lines); then the append-length panel."""
     plt = plots.pyplot()
