@@ -20,12 +20,12 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from ..engine.profile import NonNegative
 from ..sim.routing import parse_paper_config  # the one parser of the paper's config names
 from ..workloads.generators import PAPER_WORKLOADS
 
 BUNDLED_CSV = Path(__file__).parent / "data" / "paper_comprehensive.csv"
 
-NonNegative = Annotated[float, Meta(ge=0)]
 Count = Annotated[int, Meta(ge=0)]
 
 

@@ -10,8 +10,10 @@ from typing import Annotated
 
 import msgspec
 
+# Value constraints of every schema (profiles here, PPD tables, the paper's data), defined once.
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
 
 PROFILE_DIR = Path(__file__).parent / "profiles"

@@ -34,10 +34,8 @@ from typing import Annotated
 
 import msgspec
 
+from ..engine.profile import Positive
 from ..workloads.generators import PAPER_QPS, PAPER_T1, PAPER_T2, PAPER_TURNS
-
-Positive = Annotated[float, msgspec.Meta(gt=0)]
-
 
 DERIVED_FIRST_OUTPUT = 128  # turn-1 output of a class without a paper T1 (huge)
 

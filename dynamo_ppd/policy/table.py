@@ -15,11 +15,11 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from ..engine.profile import NonNegative
 from .grid import GridSpec
 from .score import Prediction, score
 
 TABLE_FORMAT_VERSION = 1
-NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class TableError(Exception):
