@@ -44,11 +44,11 @@ class FakeView:
     """A hand-built cluster state: what each worker's load, in-flight count and cached prefix
     (tokens, whole blocks) are."""
 
-    def __init__(self, prefill: int = 1, decode: int = 3, agg: int = 0, cached: dict[str, int] | None = None,
+    def __init__(self, prefill: int = 1, decode: int = 3, replica: int = 0, cached: dict[str, int] | None = None,
                  loads: dict[str, LoadSnapshot] | None = None, inflight: dict[str, int] | None = None):
         self.prefill_workers = [f"P{i}" for i in range(prefill)]
         self.decode_workers = [f"D{i}" for i in range(decode)]
-        self.replica_workers = [f"A{i}" for i in range(agg)]
+        self.replica_workers = [f"A{i}" for i in range(replica)]
         self.block_size = BS
         self.cached = cached or {}
         self.loads = loads or {}
@@ -148,7 +148,7 @@ def test_decode_candidate_is_the_kv_routers_choice_not_the_session_worker():
 
 def test_conditional_disagg_needs_disaggregated_workers():
     with pytest.raises(RoutingError, match="needs prefill and decode"):
-        make_peer_router("dynamo-isl-or-load")(turn(100), FakeView(prefill=0, decode=0, agg=2))
+        make_peer_router("dynamo-isl-or-load")(turn(100), FakeView(prefill=0, decode=0, replica=2))
 
 
 # -- Dynamo KV router over aggregated workers --------------------------------------------------
