@@ -44,8 +44,9 @@ class FakeView:
     """A hand-built cluster state: what each worker's load, in-flight count and cached prefix
     (tokens, whole blocks) are."""
 
-    def __init__(self, prefill: int = 1, decode: int = 3, replica: int = 0, cached: dict[str, int] | None = None,
-                 loads: dict[str, LoadSnapshot] | None = None, inflight: dict[str, int] | None = None):
+    def __init__(self, prefill: int = 1, decode: int = 3, replica: int = 0,
+                 cached: dict[str, int] | None = None, loads: dict[str, LoadSnapshot] | None = None,
+                 inflight: dict[str, int] | None = None):
         self.prefill_workers = [f"P{i}" for i in range(prefill)]
         self.decode_workers = [f"D{i}" for i in range(decode)]
         self.replica_workers = [f"A{i}" for i in range(replica)]
