@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dynamo_ppd.chaos.client import _Answer, classify
-from dynamo_ppd.chaos.report import Fault, TurnRecord, analyze, decode_local, markdown, p99, passed
+from dynamo_ppd.chaos.client import _Answer, turn_status
+from dynamo_ppd.chaos.report import Fault, TurnRecord, analyze, markdown, p99, passed, served_decode_local
 
 pytestmark = pytest.mark.unit
 
@@ -19,11 +19,11 @@ def turn(sent: float, *, local: bool | None = True, ttft: float = 0.1, status: s
 
 
 def test_decode_local_is_told_by_cached_tokens_beyond_the_previous_prompt():
-    assert decode_local(turn(1, local=True)) is True
-    assert decode_local(turn(1, local=False)) is False  # prefill's cache: at most the previous prompt
-    assert decode_local(turn(1, local=None)) is None
-    assert decode_local(turn(1, turn_no=1)) is None  # a first turn is no follow-up
-    assert decode_local(turn(1, status="truncated")) is None
+    assert served_decode_local(turn(1, local=True)) is True
+    assert served_decode_local(turn(1, local=False)) is False  # prefill's cache: at most the previous prompt
+    assert served_decode_local(turn(1, local=None)) is None
+    assert served_decode_local(turn(1, turn_no=1)) is None  # a first turn is no follow-up
+    assert served_decode_local(turn(1, status="truncated")) is None
 
 
 def test_p99_is_nearest_rank():
@@ -82,12 +82,12 @@ def answer(tokens: int, *, ttft: float | None = 0.1, finish: str | None = "lengt
 
 
 def test_classify_an_answer():
-    assert classify(answer(64), 64, 1.0) == ("ok", 64)
-    assert classify(answer(0, ttft=None, error="HTTP 503: no workers"), 64, 0.1) == ("failed", 0)
-    assert classify(answer(20, finish=None, usage=False), 64, 1.0) == ("truncated", 20)  # stream cut
-    assert classify(answer(64, error="error event: worker died"), 64, 1.0)[0] == "truncated"
-    assert classify(answer(40), 64, 1.0) == ("truncated", 40)  # ignore_eos: short = cut
-    assert classify(answer(64), 64, 61.0)[0] == "truncated"  # past the client's timeout
+    assert turn_status(answer(64), 64, 1.0) == ("ok", 64)
+    assert turn_status(answer(0, ttft=None, error="HTTP 503: no workers"), 64, 0.1) == ("failed", 0)
+    assert turn_status(answer(20, finish=None, usage=False), 64, 1.0) == ("truncated", 20)  # stream cut
+    assert turn_status(answer(64, error="error event: worker died"), 64, 1.0)[0] == "truncated"
+    assert turn_status(answer(40), 64, 1.0) == ("truncated", 40)  # ignore_eos: short = cut
+    assert turn_status(answer(64), 64, 61.0)[0] == "truncated"  # past the client's timeout
 
 
 def test_router_counter_deltas_sum_replicas_and_survive_a_restart():

@@ -18,10 +18,10 @@ from dynamo_ppd.policy.decision import (
 )
 from dynamo_ppd.policy.placement import Routed
 from dynamo_ppd.router.planner import (
-    Cluster,
     NoWorkers,
     SessionView,
     TurnView,
+    WorkersView,
     follow_up_turn,
     plan,
     rehome,
@@ -46,12 +46,12 @@ def follow_up(decode: int | None = D1, session: str = "s", turn: int = 2) -> Ses
 
 
 def cluster(cached: dict[int, int] | None = None, busy: dict[int, int] | None = None,
-            prefill=(P,), decode=(D1, D2), replica=()) -> Cluster:
+            prefill=(P,), decode=(D1, D2), replica=()) -> WorkersView:
     """``cached``: leading prompt tokens per worker; ``busy``: requests in flight per worker
     (this router's and as reported)."""
     busy = busy or {}
     workers = [*prefill, *decode, *replica]
-    return Cluster(prefill, decode, replica, cached_tokens=cached or {},
+    return WorkersView(prefill, decode, replica, cached_tokens=cached or {},
                    loads={w: WorkerLoad(inflight_requests=busy.get(w, 0), decode_requests=busy.get(w, 0))
                           for w in workers},
                    routed={w: Routed(requests=busy.get(w, 0)) for w in workers})

@@ -49,7 +49,7 @@ async def chat_turn(client: httpx.AsyncClient, url: str, model: str, messages: l
     return answer, out.ended - out.sent
 
 
-def classify(answer: _Answer, max_tokens: int, e2e_s: float) -> tuple[str, int]:
+def turn_status(answer: _Answer, max_tokens: int, e2e_s: float) -> tuple[str, int]:
     """("ok" | "failed" | "truncated", output tokens)."""
     usage = answer.usage or {}
     tokens = int(usage.get("completion_tokens") or answer.chunks)
@@ -87,7 +87,7 @@ async def play(url: str, manifest: Manifest, t0: float, seed: int = 0,
                 messages.append({"role": "user", "content": content})
                 sent = time.monotonic() - t0
                 answer, e2e = await chat_turn(client, url, model, messages, turn.max_tokens, session)
-                status, tokens = classify(answer, turn.max_tokens, e2e)
+                status, tokens = turn_status(answer, turn.max_tokens, e2e)
                 usage = answer.usage or {}
                 details = usage.get("prompt_tokens_details") or {}
                 record = TurnRecord(

@@ -97,7 +97,7 @@ class ChaosReport(msgspec.Struct):
     commit: str = ""  # the tree measured (git describe --always --dirty), when known
 
 
-def decode_local(record: TurnRecord) -> bool | None:
+def served_decode_local(record: TurnRecord) -> bool | None:
     """Whether a successful follow-up ran decode-local (see the module docstring); None when unknown."""
     if record.turn < 2 or record.status != "ok":
         return None
@@ -115,7 +115,7 @@ def p99(values: list[float]) -> float | None:
 
 
 def _share(records: list[TurnRecord]) -> tuple[float | None, int]:
-    marks = [m for m in (decode_local(r) for r in records) if m is not None]
+    marks = [m for m in (served_decode_local(r) for r in records) if m is not None]
     return (sum(marks) / len(marks) if marks else None), len(marks)
 
 

@@ -4,7 +4,7 @@ The router (`router.PpdRouter`) gathers what it knows when a turn arrives into f
 
 - `SessionView`: the conversation's session as its lookup found it (the record, or None for a new
   conversation or a fork routed by residency; its id; the turn's number);
-- `Cluster`: the live workers per role, how many leading prompt tokens each holds (the residency
+- `WorkersView`: the live workers per role, how many leading prompt tokens each holds (the residency
   index), the loads the policy reads and this router's own counts, which placement ranks by;
 - `TurnView`: the prompt's size, the expected output, the request rate, a forced route;
 
@@ -55,7 +55,7 @@ class SessionView:
 
 
 @dataclass(frozen=True, slots=True)
-class Cluster:
+class WorkersView:
     """The workers as the router sees them when the turn arrives."""
 
     prefill: Sequence[int] = ()
@@ -103,7 +103,7 @@ class Plan:
         return self.decision.reason == "history_evicted"
 
 
-def plan(policy: Policy, session: SessionView, cluster: Cluster, turn: TurnView, *,
+def plan(policy: Policy, session: SessionView, cluster: WorkersView, turn: TurnView, *,
          replica_mode: bool = False) -> Plan:
     """Route one turn. Raises `NoWorkers` when no worker of a kind the turn needs is live."""
     if replica_mode:
@@ -124,7 +124,7 @@ def _turn_request(session: SessionView, turn: TurnView, session_decode: int | No
         session_decode=session_decode, history_tokens=record.context_tokens if record else 0, qps=turn.qps)
 
 
-def _replica_mode(policy: Policy, session: SessionView, cluster: Cluster, turn: TurnView) -> Plan:
+def _replica_mode(policy: Policy, session: SessionView, cluster: WorkersView, turn: TurnView) -> Plan:
     """Aggregated workers only: the one holding the longest prefix of the prompt, then the one
     with the fewest requests in flight, then the lowest id."""
     if not cluster.replica:
@@ -134,7 +134,7 @@ def _replica_mode(policy: Policy, session: SessionView, cluster: Cluster, turn: 
     return Plan(policy.decide(f, 0), decode)
 
 
-def _hybrid(session: SessionView, cluster: Cluster) -> Plan | None:
+def _hybrid(session: SessionView, cluster: WorkersView) -> Plan | None:
     """Aggregated workers beside P/D: a conversation placed on a replica stays there (prefill and
     decode with prefix reuse, no transfers); a new one goes to the least loaded of the replicas
     and the decode workers. None: the turn goes the P/D way."""
@@ -150,7 +150,7 @@ def _hybrid(session: SessionView, cluster: Cluster) -> Plan | None:
     return Plan(Decision(Route.REPLICA, "hybrid_new_conversation"), chosen, claim=True)
 
 
-def _disaggregated(policy: Policy, session: SessionView, cluster: Cluster, turn: TurnView) -> Plan:
+def _disaggregated(policy: Policy, session: SessionView, cluster: WorkersView, turn: TurnView) -> Plan:
     decode_ids = cluster.decode
     if not decode_ids:
         raise NoWorkers("no decode worker is available; start one (or wait for it to register)")
@@ -165,14 +165,15 @@ def _disaggregated(policy: Policy, session: SessionView, cluster: Cluster, turn:
                 moved=placed.moved, features=placed.features)
 
 
-def residency_home(cluster: Cluster) -> int | None:
+def residency_home(cluster: WorkersView) -> int | None:
     """The decode worker holding the longest prefix of the prompt, then the one with the fewest
     requests in flight, then the lowest id (None: none holds any)."""
     best = max(cluster.decode, key=lambda w: (cluster.cached(w), -cluster.requests(w), -w), default=None)
     return best if best is not None and cluster.cached(best) > 0 else None
 
 
-def _placement_state(cluster: Cluster, decode: Sequence[int] | None = None) -> placement.ClusterState[int]:
+def _placement_state(cluster: WorkersView, decode: Sequence[int] | None = None
+                     ) -> placement.ClusterState[int]:
     return placement.ClusterState(cluster.prefill, cluster.decode if decode is None else decode,
                                   cluster.loads, cluster.routed, cluster.cached_tokens)
 
@@ -186,7 +187,7 @@ def follow_up_turn(cached_on_decode: Mapping[int, int], prompt_tokens: int,
     return 2 if share >= min_resident_fraction else 1
 
 
-def rehome(policy: Policy, session: SessionView, decision: Decision, decode: int, cluster: Cluster,
+def rehome(policy: Policy, session: SessionView, decision: Decision, decode: int, cluster: WorkersView,
            turn: TurnView) -> Plan:
     """The turn again after a worker failed, over the workers left (``cluster``, the failed ones
     out): a replica turn goes to the least busy replica left; otherwise the turn keeps its decode

@@ -314,14 +314,14 @@ class PpdRouter:
         return plan
 
     def _cluster(self, chain: list[int], prefill: Sequence[int] = (), decode: Sequence[int] = (),
-                 replica: Sequence[int] = ()) -> planner.Cluster:
+                 replica: Sequence[int] = ()) -> planner.WorkersView:
         """The planner's view of these workers: how much of the prompt (``chain``: its prefix ids)
         each holds (the residency index), this router's own counts, and the loads the policy reads
         (own counts merged with the workers' reports)."""
         bs = self.config.block_size
         disaggregated = [*prefill, *decode]
         every = [*disaggregated, *replica]
-        return planner.Cluster(
+        return planner.WorkersView(
             prefill, decode, replica,
             cached_tokens={w: self.residency.held_blocks(w, chain) * bs for w in every},
             loads={w: self.loads.of(w, self.reports.get(w)) for w in disaggregated},
