@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from dynamo_ppd.bench.relay import Run, paired_ratios
+from dynamo_ppd.bench.cpu import process_cpu_s, thread_cpu_s
+from dynamo_ppd.bench.relay import LEAN_ROUTER_ARGS, Run, paired_ratios, thread_breakdown
 
 pytestmark = pytest.mark.unit
 
@@ -24,3 +27,38 @@ def test_each_round_is_compared_with_its_own_relay_run():
 
 def test_no_relay_run_no_ratio():
     assert paired_ratios([_run("ppd", 0.12, 0), _run("pd", 0.10, 0)]) == []
+
+
+def test_thread_breakdown_splits_the_relay_cpu_by_thread_per_token():
+    threads = {"router": {"python": 0.10, "tokio-rt-worker": 0.25, "grpc_global_tim": 0.01,
+                          "event_engine": 0.02}}
+    runs = [Run("ppd", 1, 2.0, {"router": 0.38}, 1000, 10, 0, 30.0, threads_cpu_s=threads),
+            Run("pd", 1, 2.0, {"frontend": 0.1}, 1000, 10, 0, 30.0)]  # no relay process: no row
+    lines = thread_breakdown(runs)
+    assert [line for line in lines if line.startswith("| ppd")] == ["| ppd | 1 | 2 | 1 | 100 | 250 | 30 |"]
+    assert not any(line.startswith("| pd ") for line in lines)
+    assert thread_breakdown([Run("pd", 1, 2.0, {}, 1000, 10, 0, 30.0)]) == []
+
+
+def test_this_process_threads_are_read_by_name():
+    import threading
+
+    done = threading.Event()
+    worker = threading.Thread(target=done.wait, name="x")
+    worker.start()
+    try:
+        by_name = thread_cpu_s(os.getpid())
+    finally:
+        done.set()
+        worker.join()
+    assert sum(by_name.values()) <= process_cpu_s(os.getpid()) + 0.05
+    assert len(by_name) >= 1 and all(cpu >= 0 for cpu in by_name.values())
+
+
+def test_the_lean_router_runs_without_both_subscriptions():
+    from dynamo_ppd.router.args import parse_args
+
+    lean = parse_args(LEAN_ROUTER_ARGS)
+    assert (lean.load_reports, lean.residency_recovery) == (False, False)
+    default = parse_args([])
+    assert (default.load_reports, default.residency_recovery) == (True, True)

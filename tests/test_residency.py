@@ -211,3 +211,32 @@ def test_a_rebuild_asked_for_while_one_runs_is_not_lost(monkeypatch):
         await sync.stop()
 
     asyncio.run(scenario())
+
+
+def test_without_recovery_live_events_are_the_only_source():
+    """--no-residency-recovery: no Dynamo indexer is made (`start` does not import one), the KV
+    events are still subscribed, and a gap asks for no rebuild (the view keeps what events said)."""
+
+    class FakeNats:
+        def __init__(self):
+            self.subjects: list[str] = []
+
+        async def subscribe(self, subject, cb):
+            self.subjects.append(subject)
+
+    async def scenario():
+        residency, metrics, nats = Residency(32), RouterMetrics(), FakeNats()
+        sync = KvSync(None, residency, metrics, "workers", {"prefill": "prefill", "decode": "backend"},
+                      {"decode": FakeClient([7])}, busy=lambda w: False, recovery=False)
+        await sync.start(nats)
+        assert sync._sources == {}
+        assert sorted(nats.subjects) == sorted(f"namespace.workers.component.{c}.endpoint.generate.kv-events"
+                                               for c in ("prefill", "backend"))
+        residency.apply(7, stored(0, 0, 2))
+        residency.apply(7, stored(5, 3, 5, parent=1002))  # a gap: events 1-4 lost
+        sync._drain()
+        assert sync._pending == {} and residency.held_blocks(7, CHAIN) == 6
+        assert metrics.residency_gaps._value.get() == 1  # still counted
+        await sync.stop()
+
+    asyncio.run(scenario())

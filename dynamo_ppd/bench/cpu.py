@@ -33,6 +33,26 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (clock ticks)
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of one live process's threads, summed by thread name (Python's
+    main thread is ``python``, Dynamo's Rust runtime threads ``tokio-runtime-w``, gRPC's its own):
+    where a process's CPU goes without a profiler. Threads that already ended are not counted."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICKS
+    return out
+
+
 def group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) of every live process in process group ``pgid``."""
     total = 0

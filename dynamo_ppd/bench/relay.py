@@ -41,13 +41,17 @@ from ..launch.process import free_port
 from ..workloads.manifest import Manifest, ManifestConversation, ManifestHeader, ManifestTurn
 from .client import run_manifest
 from .compare import ppd_graph_with_mode
-from .cpu import process_cpu_s
+from .cpu import process_cpu_s, thread_cpu_s
 
 WORKLOAD = "syn-a-in32-out512"
 FIRST_TURN = (512, 128)  # (user tokens, max tokens)
 FOLLOW_UP = (32, 512)
-SYSTEMS = ("ppd", "relay", "pd")
-RELAY_LABEL = {"ppd": "router", "relay": "router", "pd": None}  # the relay process(es), by label prefix
+SYSTEMS = ("ppd", "ppd-lean", "relay", "pd")
+# The relay process(es), by label prefix.
+RELAY_LABEL = {"ppd": "router", "ppd-lean": "router", "relay": "router", "pd": None}
+# ppd-lean: the PPD router without the two subscriptions whose cost follows the workers' activity
+# rather than the tokens relayed (what each gives up: `python -m dynamo_ppd.router --help`).
+LEAN_ROUTER_ARGS = ["--no-load-reports", "--no-residency-recovery"]
 
 
 def syn_a_manifest(rate: float, duration_s: float, seed: int = 0) -> Manifest:
@@ -64,6 +68,15 @@ def syn_a_manifest(rate: float, duration_s: float, seed: int = 0) -> Manifest:
 
 def _cpu_by_label(dep) -> dict[str, float]:
     return {p.label: process_cpu_s(p.popen.pid) for p in dep.processes() if p.popen and p.exit_code() is None}
+
+
+def _threads_by_label(dep, system: str) -> dict[str, dict[str, float]]:
+    """CPU seconds per thread name of the relay process(es) (none for frontend-native PD)."""
+    prefix = RELAY_LABEL[system]
+    if prefix is None:
+        return {}
+    return {p.label: thread_cpu_s(p.popen.pid) for p in dep.processes()
+            if p.popen and p.exit_code() is None and (p.label == prefix or p.label.startswith(f"{prefix}-"))}
 
 
 def _relayed(dep, what: str = "tokens") -> dict[str, float]:
@@ -95,6 +108,9 @@ class Run:
     worker_speedup: float = 1.0
     errors: list[str] = field(default_factory=list)
     round: int = 0  # which round of repeats (every system runs once per round, back to back)
+    # The relay processes' CPU seconds over the run per thread name (Python's main thread
+    # "python", Dynamo's Rust runtime "tokio-runtime-w", gRPC's threads): where the CPU goes.
+    threads_cpu_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def us_per_token(self, prefix: str) -> float:
         """CPU us per relayed token of the processes whose label starts with ``prefix``."""
@@ -107,7 +123,7 @@ class Run:
 
 
 def _graph(system: str, workdir: Path) -> str:
-    return ppd_graph_with_mode("ppd", workdir) if system == "ppd" else system
+    return ppd_graph_with_mode("ppd", workdir) if system.startswith("ppd") else system
 
 
 def _up(system: str, replicas: int, workdir: Path, tag: str, worker_speedup: float = 1.0):
@@ -116,8 +132,10 @@ def _up(system: str, replicas: int, workdir: Path, tag: str, worker_speedup: flo
     as on GPUs, instead of the workers sharing its cores."""
     extra = {"router": replicas} if RELAY_LABEL[system] else {}
     # The PPD router is told too, so its rate and learned latencies stay on the workers' clock.
-    sped = ("prefill", "decode", "router") if system == "ppd" else ("prefill", "decode")
+    sped = ("prefill", "decode", "router") if system.startswith("ppd") else ("prefill", "decode")
     args = {c: ["--speedup", f"{worker_speedup:g}"] for c in sped} if worker_speedup != 1 else {}
+    if system == "ppd-lean":
+        args["router"] = [*args.get("router", []), *LEAN_ROUTER_ARGS]
     return start(ServeOptions(graph=_graph(system, workdir), http_port=free_port(), nats_port=free_port(),
                               etcd_port=free_port(), run_dir=workdir / f"{system}-{tag}", replicas=extra,
                               extra_args=args),
@@ -136,11 +154,11 @@ def measure_load(system: str, replicas: int, rate: float, duration_s: float, wor
     try:
         _warm_up(dep)
         tokens_before, chunks_before = _relayed(dep), _relayed(dep, "chunks")
-        before = _cpu_by_label(dep)
+        before, threads_before = _cpu_by_label(dep), _threads_by_label(dep, system)
         started = time.monotonic()
         results = asyncio.run(run_manifest(dep.base_url, manifest, seed=seed))
         wall = time.monotonic() - started
-        after = _cpu_by_label(dep)
+        after, threads_after = _cpu_by_label(dep), _threads_by_label(dep, system)
         tokens_after, chunks_after = _relayed(dep), _relayed(dep, "chunks")
     finally:
         dep.stop()
@@ -153,7 +171,10 @@ def measure_load(system: str, replicas: int, rate: float, duration_s: float, wor
                wall, {k: tokens_after[k] - tokens_before.get(k, 0.0) for k in tokens_after},
                lags[int(0.99 * (len(lags) - 1))] * 1e3 if lags else 0.0,
                sum(chunks_after.values()) - sum(chunks_before.values()) if chunks_after else None,
-               worker_speedup, sorted({r.error or "?" for r in results if not r.ok}))
+               worker_speedup, sorted({r.error or "?" for r in results if not r.ok}),
+               threads_cpu_s={label: {name: cpu - threads_before.get(label, {}).get(name, 0.0)
+                                      for name, cpu in threads.items()}
+                              for label, threads in threads_after.items()})
 
 
 def _ttft_ms(client: httpx.Client, base_url: str, model: str, messages: list[dict], max_tokens: int,
@@ -243,6 +264,38 @@ def paired_ratios(runs: list[Run], base: str = "relay") -> list[str]:
     return out
 
 
+MAIN_THREAD, RUNTIME_THREAD = "python", "tokio-rt-worker"  # Linux thread names (comm, 15 chars)
+
+
+def thread_breakdown(runs: list[Run]) -> list[str]:
+    """The relay processes' CPU per relayed token by thread: Python's main thread (the event loop:
+    the component's own code, the bindings' conversions, nats-py, aetcd) against Dynamo's Rust
+    runtime threads (the request plane, the event plane, Dynamo's own indexers and trackers) and
+    the rest (gRPC's, NATS'). Mean over repeats."""
+    groups: dict[tuple[str, int, float, float], list[Run]] = {}
+    for run in runs:
+        if run.threads_cpu_s and run.tokens:
+            groups.setdefault((run.system, run.replicas, run.rate, run.worker_speedup), []).append(run)
+    if not groups:
+        return []
+    out = ["", "Where the relay processes' CPU goes, us per relayed token by thread (mean over repeats):",
+           "", "| system | relay processes | conv/s | workers' speedup | Python main thread "
+           "| Dynamo runtime (tokio) | other threads |", "|---|---|---|---|---|---|---|"]
+
+    def per_token(group: list[Run], pick) -> float:
+        return statistics.mean(sum(cpu for threads in r.threads_cpu_s.values()
+                                   for name, cpu in threads.items() if pick(name)) / r.tokens * 1e6
+                               for r in group)
+
+    for (system, replicas, rate, speedup), group in groups.items():
+        main = per_token(group, lambda name: name == MAIN_THREAD)
+        runtime = per_token(group, lambda name: name == RUNTIME_THREAD)
+        other = per_token(group, lambda name: name not in (MAIN_THREAD, RUNTIME_THREAD))
+        out.append(f"| {system} | {replicas} | {rate:g} | {speedup:g} | {main:.0f} | {runtime:.0f} "
+                   f"| {other:.0f} |")
+    return out
+
+
 def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) -> str:
     """Markdown: CPU per relayed token per process, saturation rate, replicas, low-load TTFT."""
     out = [f"Load: `{WORKLOAD}` (turn 1 512 -> 128 tokens, turn 2 +32 -> 512), Poisson arrivals. "
@@ -268,6 +321,7 @@ def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) ->
                    f"{_spread([r.us_per_token('frontend') for r in group])} | "
                    f"{_spread([r.us_per_token('decode') for r in group])} | "
                    f"{max(r.lag_p99_ms for r in group):.0f} |")
+    out += thread_breakdown(runs)
     out += paired_ratios(runs)
     multi = [r for r in runs if r.replicas > 1 and r.per_replica_tokens]
     if multi:

@@ -41,6 +41,10 @@ class RouterConfig:
     metrics_port: int
     metrics_host: str
     kv_silent_after_s: float = 30.0
+    # The two subscriptions that cost a router CPU in proportion to the workers' activity, not to
+    # the tokens it relays (`just bench-relay`, docs/bench/relay.md): each can be turned off.
+    load_reports: bool = True  # track the workers' forward-pass metrics (every engine iteration)
+    residency_recovery: bool = True  # Dynamo's indexers that rebuild residency from the workers
     speedup: float = 1.0  # model seconds per wall second (the workers' --speedup; <1: dilated)
 
 
@@ -120,6 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a decode worker may serve turns without one KV event before the "
                    "router warns (once) that its follow-ups can never run decode-local "
                    "(ppd_kv_silent_workers)")
+    p.add_argument("--load-reports", action=argparse.BooleanOptionalAction, default=True,
+                   help="track the workers' forward-pass metrics (one per engine iteration) and "
+                   "route by the larger of them and this router's own counts; off: own counts only "
+                   "(exact with one router replica, blind to other replicas' traffic), and the "
+                   "router no longer decodes every report")
+    p.add_argument("--residency-recovery", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep Dynamo's indexers (one per worker component) that rebuild the "
+                   "residency index from the workers after a restart, a NATS outage or lost events; "
+                   "off: residency is only what KV events said since this router started (a "
+                   "restarted router sends follow-ups via prefill until their decode workers store "
+                   "new blocks), and the router no longer indexes every event twice")
     p.add_argument("--speedup", type=float, default=1.0,
                    help="the simulated workers' --speedup (model time runs this many times faster "
                    "than wall time; `bench --dilation N` runs 1/N): the request rate the policy "
@@ -151,4 +166,5 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         session_prefix=a.session_prefix, max_sessions=a.max_sessions,
         min_resident_fraction=a.min_resident_fraction,
         etcd_url=a.etcd_url, nats_url=a.nats_url, metrics_port=a.metrics_port, metrics_host=a.metrics_host,
-        kv_silent_after_s=a.kv_silent_after, speedup=a.speedup)
+        kv_silent_after_s=a.kv_silent_after, speedup=a.speedup, load_reports=a.load_reports,
+        residency_recovery=a.residency_recovery)

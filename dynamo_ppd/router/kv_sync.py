@@ -84,7 +84,7 @@ class SilenceWatch:
 class KvSync:
     def __init__(self, runtime, residency: Residency, metrics: RouterMetrics, namespace: str,
                  components: dict[str, str], clients: dict[str, Any], busy: Callable[[int], bool],
-                 poll_s: float = POLL_S, silent_after_s: float = SILENT_AFTER_S):
+                 poll_s: float = POLL_S, silent_after_s: float = SILENT_AFTER_S, recovery: bool = True):
         self.runtime = runtime
         self.residency = residency
         self.metrics = metrics
@@ -93,6 +93,7 @@ class KvSync:
         self.clients = clients  # role -> Dynamo client of the component's generate endpoint
         self.busy = busy
         self.poll_s = poll_s
+        self.recovery = recovery  # False: no rebuilds, live events only (--no-residency-recovery)
         self.silence = SilenceWatch(silent_after_s)
         self._sources: dict[str, Any] = {}  # component -> Dynamo KvRouter (the recovery source)
         self._dumps: dict[str, tuple[float, list[dict]]] = {}
@@ -109,7 +110,9 @@ class KvSync:
         from dynamo._core import KvRouter, KvRouterConfig
 
         block_size = self.residency.block_size
-        for component in self.components.values():
+        if not self.recovery:
+            log.info("--no-residency-recovery: residency is what KV events say from now on")
+        for component in self.components.values() if self.recovery else ():
             try:
                 # Indexing only: no load tracking (we never route through it), one indexer thread;
                 # conditional_disagg_enabled makes it index a decode endpoint's events too.

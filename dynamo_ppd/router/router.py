@@ -160,7 +160,8 @@ class PpdRouter:
         # Residency: live KV events, and rebuilds from the workers themselves (kv_sync).
         kv_sync = self.kv_sync = KvSync(self.runtime, self.residency, self.metrics, ns, components,
                                         self.clients, busy=self._serving,
-                                        silent_after_s=cfg.kv_silent_after_s)
+                                        silent_after_s=cfg.kv_silent_after_s,
+                                        recovery=cfg.residency_recovery)
 
         async def nats_down() -> None:
             self.metrics.nats_up.set(0)
@@ -173,7 +174,9 @@ class PpdRouter:
                                         disconnected_cb=nats_down, reconnected_cb=nats_up)
         self.metrics.nats_up.set(1)
         await self.kv_sync.start(self._nats)
-        for component in components.values():
+        if not cfg.load_reports:
+            log.info("--no-load-reports: routing by this router's own counts only")
+        for component in components.values() if cfg.load_reports else ():
             try:  # the latest report per worker, kept in Rust (`load_reports`)
                 from dynamo.llm import FpmEventSubscriber
 
