@@ -12,6 +12,7 @@ import pytest
 from dynamo_ppd.launch.process import free_port, stop_all
 from dynamo_ppd.launch.servers import etcd_process
 from dynamo_ppd.router.sessions import EtcdSessions, SessionRecord, encode
+from dynamo_ppd.router.sessions import decode as decode_value
 
 pytestmark = pytest.mark.e2e
 
@@ -87,6 +88,50 @@ def test_a_revoked_lease_is_replaced_and_the_record_written_again(etcd_url):
                 found = await client.get(b"lease/sessions/s1")
                 assert found is not None and (await client.get_lease_info(found.lease)).TTL > 0
             assert sessions.healthy and sessions.get("s1").turn == 3
+        finally:
+            await sessions.stop()
+
+    asyncio.run(run())
+
+
+def test_a_turn_soon_after_the_last_refreshes_no_lease_and_a_late_one_does(etcd_url, monkeypatch):
+    """One etcd call per turn while the lease is fresh (this replica granted or refreshed it less
+    than 10% of the TTL ago), put + refresh after that; a fresh lease revoked behind our back
+    (no watch event: the put is the first to find out) is still replaced."""
+    from dynamo_ppd.router import sessions as sessions_module
+
+    async def run():
+        sessions = EtcdSessions(etcd_url, prefix="fresh", ttl_s=60)
+        await sessions.start()
+        refreshes = []
+        real_refresh = sessions._client.refresh_lease
+
+        async def counted(lease):
+            refreshes.append(lease)
+            return await real_refresh(lease)
+
+        sessions._client.refresh_lease = counted
+        try:
+            won = await sessions.claim(SessionRecord("s1", decode_worker=1))
+            assert won.decode_worker == 1
+            lease = sessions._leases["s1"]
+            await sessions.save(SessionRecord("s1", decode_worker=1, turn=1))
+            await sessions.save(SessionRecord("s1", decode_worker=1, turn=2))
+            assert refreshes == []  # granted a moment ago
+            monkeypatch.setattr(sessions_module, "REFRESH_AFTER_TTL_FRACTION", 0.0)
+            await sessions.save(SessionRecord("s1", decode_worker=1, turn=3))
+            assert refreshes == [lease]
+            monkeypatch.setattr(sessions_module, "REFRESH_AFTER_TTL_FRACTION", 0.1)
+            for task in [t for t in sessions._tasks if t.get_name() == "etcd-watch"]:
+                task.cancel()  # no delete event will tell us
+                sessions._tasks.remove(task)
+            async with client_for(etcd_url) as client:
+                await client.revoke_lease(lease)
+                await sessions.save(SessionRecord("s1", decode_worker=1, turn=4))
+                found = await client.get(b"fresh/sessions/s1")
+                assert found is not None and found.lease != lease
+                assert (await client.get_lease_info(found.lease)).TTL > 0
+                assert decode_value(found.value).turn == 4
         finally:
             await sessions.stop()
 
