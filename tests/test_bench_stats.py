@@ -54,6 +54,17 @@ def test_paired_ratio_cancels_the_conversations_own_variation():
     assert bs.paired_ratio({}, base) is None
 
 
+def test_paired_difference_cancels_what_both_sides_share():
+    base = _lognormal(40, 2)
+    shifted = {cid: [v + 0.003 for v in vs] for cid, vs in base.items()}  # +3 ms on every request
+    paired = bs.paired_difference(shifted, base)
+    assert paired is not None and paired.value == pytest.approx(0.003)
+    assert paired.low == pytest.approx(0.003) and paired.high == pytest.approx(0.003)
+    other = bs.paired_difference(_lognormal(40, 3), base)  # independent draws: around 0
+    assert other is not None and other.low < 0.0 < other.high and other.conversations == 40
+    assert bs.paired_difference(base, {}) is None
+
+
 def test_conversations_needed_scales_with_the_square_of_the_width():
     wide = bs.Interval(10.0, 8.0, 12.0, 100)  # +-20%
     assert bs.conversations_needed(100, wide) == 440  # 100 x (0.2 / 0.1)^2 x 1.1

@@ -91,19 +91,33 @@ def paired_ratio(a: Samples, b: Samples, statistic: Callable[[np.ndarray], float
                  resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
     """statistic(a) / statistic(b), both from the same resampled conversation ids (those either
     side has values for); None when a side has no values."""
+    return _paired(a, b, lambda x, y: x / y if y else float("nan"), statistic, resamples, seed)
+
+
+def paired_difference(a: Samples, b: Samples, statistic: Callable[[np.ndarray], float] = _median,
+                      resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
+    """statistic(a) - statistic(b), resampled like `paired_ratio` (e.g. the TTFT one system adds
+    over another that served the same requests); None when a side has no values."""
+    return _paired(a, b, lambda x, y: x - y, statistic, resamples, seed)
+
+
+def _paired(a: Samples, b: Samples, combine: Callable[[float, float], float],
+            statistic: Callable[[np.ndarray], float], resamples: int, seed: int) -> Interval | None:
     ids = sorted({cid for s in (a, b) for cid, vs in s.items() if len(vs)})
     va, ia = _arrays(a, ids)
     vb, ib = _arrays(b, ids)
-    if not va.size or not vb.size or not statistic(vb):
+    if not va.size or not vb.size:
+        return None
+    value = combine(statistic(va), statistic(vb))
+    if not np.isfinite(value):
         return None
 
-    def ratio(counts: np.ndarray) -> float:
+    def resampled(counts: np.ndarray) -> float:
         ra, rb = _resampled(va, ia, counts), _resampled(vb, ib, counts)
-        denominator = statistic(rb) if rb.size else float("nan")
-        return statistic(ra) / denominator if ra.size and denominator else float("nan")
+        return combine(statistic(ra), statistic(rb)) if ra.size and rb.size else float("nan")
 
-    low, high = _percentile_interval(ratio, len(ids), resamples, seed)
-    return Interval(statistic(va) / statistic(vb), low, high, len(ids))
+    low, high = _percentile_interval(resampled, len(ids), resamples, seed)
+    return Interval(value, low, high, len(ids))
 
 
 def conversations_needed(current: int, interval: Interval | None,
