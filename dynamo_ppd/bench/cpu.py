@@ -17,12 +17,22 @@ from pathlib import Path
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _stat_fields(pid: int) -> list[str] | None:
+def _read_stat(path: str) -> tuple[str, list[str]] | None:
+    """A ``/proc/.../stat`` file: (comm, the fields after it; state is field 0), None if gone."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        text = Path(path).read_text()
     except OSError:
         return None
-    return text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 0
+    return text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    stat = _read_stat(f"/proc/{pid}/stat")
+    return None if stat is None else stat[1]
+
+
+def _cpu_s(fields: list[str]) -> float:
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (clock ticks)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -30,12 +40,12 @@ def process_cpu_s(pid: int) -> float:
     fields = _stat_fields(pid)
     if fields is None:
         raise ProcessLookupError(f"no process {pid}")
-    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (clock ticks)
+    return _cpu_s(fields)
 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of one live process's threads, summed by thread name (Python's
-    main thread is ``python``, Dynamo's Rust runtime threads ``tokio-runtime-w``, gRPC's its own):
+    main thread is ``python``, Dynamo's Rust runtime threads ``tokio-rt-worker``, gRPC's its own):
     where a process's CPU goes without a profiler. Threads that already ended are not counted."""
     out: dict[str, float] = {}
     try:
@@ -43,13 +53,9 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
     except OSError:
         return out
     for tid in tids:
-        try:
-            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        name = text[text.index("(") + 1:text.rindex(")")]
-        fields = text[text.rindex(")") + 2:].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICKS
+        stat = _read_stat(f"/proc/{pid}/task/{tid}/stat")
+        if stat is not None:
+            out[stat[0]] = out.get(stat[0], 0.0) + _cpu_s(stat[1])
     return out
 
 

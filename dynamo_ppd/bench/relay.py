@@ -1,14 +1,15 @@
 """What the relay hop costs: `just bench-relay` (`python -m dynamo_ppd.bench.relay`).
 
-The same load through (a) the PPD router (`graphs/ppd.yaml`), (b) the bare pass-through relay
-(`graphs/relay.yaml`, `router/passthrough.py`: every request decode-local, each chunk yielded
-unchanged) and (c) Dynamo's frontend-native PD (`graphs/pd.yaml`), each on the same simulated
-workers, one system at a time. Per system it prints the CPU time of every process per relayed
-token (utime + stime from ``/proc/<pid>/stat`` over the run, all threads: robust to other work on
-the machine, unlike wall-clock figures), the token rate at which one relay process would saturate
-a core (1 / its CPU per token), and TTFT p50 at low load. With ``--router-replicas 1,2`` the PPD
-router runs as 1 and as 2 replicas behind the frontend; per replica: CPU per token and its share of
-the tokens (the router's ``ppd_relayed_tokens_total``).
+The same load through (a) the PPD router (`graphs/ppd.yaml`; ``ppd-lean``: the same with
+`LEAN_ROUTER_ARGS`), (b) the bare pass-through relay (`graphs/relay.yaml`,
+`router/passthrough.py`: every request decode-local, each chunk yielded unchanged) and (c)
+Dynamo's frontend-native PD (`graphs/pd.yaml`), each on the same simulated workers, one system at
+a time. Per system it prints the CPU time of every process per relayed token (utime + stime from
+``/proc/<pid>/stat`` over the run, all threads: robust to other work on the machine, unlike
+wall-clock figures), the relay processes' split by thread, the token rate at which one relay
+process would saturate a core (1 / its CPU per token), and TTFT p50 at low load. With
+``--router-replicas 1,2`` the PPD router runs as 1 and as 2 replicas behind the frontend; per
+replica: CPU per token and its share of the tokens (the router's ``ppd_relayed_tokens_total``).
 
 The load is the paper's decode-heavy synthetic ``syn-a-in32-out512`` (2-turn conversations: turn 1
 512 prompt tokens -> 128, turn 2 appends 32 -> 512; no think time), Poisson at ``--rate`` conv/s
@@ -76,7 +77,12 @@ def _threads_by_label(dep, system: str) -> dict[str, dict[str, float]]:
     if prefix is None:
         return {}
     return {p.label: thread_cpu_s(p.popen.pid) for p in dep.processes()
-            if p.popen and p.exit_code() is None and (p.label == prefix or p.label.startswith(f"{prefix}-"))}
+            if p.popen and p.exit_code() is None and _labelled(p.label, prefix)}
+
+
+def _labelled(label: str, prefix: str) -> bool:
+    """``label`` is the process ``prefix`` or one of its replicas (``router``, ``router-1``)."""
+    return label == prefix or label.startswith(f"{prefix}-")
 
 
 def _relayed(dep, what: str = "tokens") -> dict[str, float]:
@@ -109,12 +115,12 @@ class Run:
     errors: list[str] = field(default_factory=list)
     round: int = 0  # which round of repeats (every system runs once per round, back to back)
     # The relay processes' CPU seconds over the run per thread name (Python's main thread
-    # "python", Dynamo's Rust runtime "tokio-runtime-w", gRPC's threads): where the CPU goes.
+    # "python", Dynamo's Rust runtime "tokio-rt-worker", gRPC's threads): where the CPU goes.
     threads_cpu_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def us_per_token(self, prefix: str) -> float:
         """CPU us per relayed token of the processes whose label starts with ``prefix``."""
-        cpu = sum(v for k, v in self.cpu_s.items() if k == prefix or k.startswith(f"{prefix}-"))
+        cpu = sum(v for k, v in self.cpu_s.items() if _labelled(k, prefix))
         return cpu / self.tokens * 1e6 if self.tokens else float("nan")
 
     def relay_us_per_token(self) -> float | None:
