@@ -71,18 +71,22 @@ async def _open(client, request: dict, worker: int, context) -> AsyncIterator[di
 
 async def prefill_then_decode(prefill_client, decode_client, request: dict[str, Any], prefill: int,
                               decode: Callable[[], Awaitable[int]], context,
+                              prefill_sent: Callable[[], None] = lambda: None,
                               prefill_done: Callable[[], None] = lambda: None,
                               coalesce: bool = True) -> AsyncIterator[dict]:
     """``decode`` is asked for the decode worker only once the prefill is done, so whatever
-    settles it (a new session's etcd claim) overlaps with the prefill. ``prefill_done`` is called
-    once the prefill leg is over, however it ended (the prefill worker's load is released then)."""
+    settles it (a new session's etcd claim, started by ``prefill_sent`` once the prefill worker
+    has the request) overlaps with the prefill. ``prefill_done`` is called once the prefill leg is
+    over, however it ended (the prefill worker's load is released then)."""
     # A shallow copy: only the stop conditions differ (a deep copy of a 300-token request cost
     # ~70 us of TTFT per turn here); nothing here or in the bindings mutates the rest.
     stop = {**(request.get("stop_conditions") or {}), "max_tokens": 1}
     prefill_request = {**request, "stop_conditions": stop}
     params, details = None, None
     try:
-        async for chunk in await _open(prefill_client, prefill_request, prefill, context):
+        stream = await _open(prefill_client, prefill_request, prefill, context)
+        prefill_sent()
+        async for chunk in stream:
             if isinstance(chunk.get("finish_reason"), dict) and "error" in chunk["finish_reason"]:
                 yield chunk  # the prefill worker refused the request: the client gets its error
                 return
@@ -102,10 +106,11 @@ async def prefill_then_decode(prefill_client, decode_client, request: dict[str, 
 
 
 def decode_local(decode_client, request: dict[str, Any], decode: int, context,
-                 coalesce: bool = True) -> AsyncIterator[dict]:
+                 coalesce: bool = True, sent: Callable[[], None] = lambda: None) -> AsyncIterator[dict]:
+    """``sent`` is called once the decode worker has the request."""
     local_request = dict(request)
     local_request["annotations"] = [*request.get("annotations", []), BYPASS_REMOTE_PREFILL_ANNOTATION]
-    return _stream(decode_client, local_request, decode, context, coalesce)
+    return _stream(decode_client, local_request, decode, context, coalesce, sent)
 
 
 def replica(client, request: dict[str, Any], worker: int, context,
@@ -113,13 +118,16 @@ def replica(client, request: dict[str, Any], worker: int, context,
     return _stream(client, request, worker, context, coalesce)
 
 
-async def _stream(client, request: dict, worker: int, context, coalesce: bool = True) -> AsyncIterator[dict]:
+async def _stream(client, request: dict, worker: int, context, coalesce: bool = True,
+                  sent: Callable[[], None] = lambda: None) -> AsyncIterator[dict]:
     """Relay a worker's stream; its errors become `WorkerRejected` or `WorkerFailed` (with
     ``started`` once a chunk went out, so the router can continue the answer elsewhere).
-    ``coalesce``: chunks already waiting go out as one (`coalesced`)."""
+    ``coalesce``: chunks already waiting go out as one (`coalesced`). ``sent``: called once the
+    worker has the request."""
     started = False
     try:
         stream = await _open(client, request, worker, context)
+        sent()
         async for chunk in (coalesced(stream) if coalesce else stream):
             started = True
             yield chunk

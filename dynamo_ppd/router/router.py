@@ -11,6 +11,7 @@ holds the prefix (`planner.rehome`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -297,12 +298,12 @@ class PpdRouter:
             self.metrics.session_moves.inc()
         if decided.claim:
             # A new session: claim it in etcd (another router replica may be placing it right now).
-            claim = self.sessions.claim(SessionRecord(session_id=session_id, decode_worker=plan.decode,
-                                                      prefill_worker=plan.prefill, last_access=time.time()))
+            record = SessionRecord(session_id=session_id, decode_worker=plan.decode,
+                                   prefill_worker=plan.prefill, last_access=time.time())
             if decision.route is Route.REPLICA:
-                await claim  # no prefill leg to overlap it with
-            else:  # while the prefill runs; the decode worker is settled when the prefill is done
-                plan.claim = asyncio.get_running_loop().create_task(claim)
+                await self.sessions.claim(record)  # no prefill leg to overlap it with
+            else:  # while the prefill runs (`_start_claim`); the decode worker is settled after it
+                plan.unclaimed = record
                 plan.decode_ids = list(cluster.decode)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         self.metrics.count_decision(decision.route.value, "first" if turn == 1 else "follow_up",
@@ -416,8 +417,9 @@ class PpdRouter:
         route = plan.decision.route
         if route is Route.REPLICA:
             return dispatch.replica(self.clients["replica"], request, plan.decode, context)
+        sent = functools.partial(self._start_claim, plan)
         if route is Route.DECODE_LOCAL:
-            return dispatch.decode_local(self.clients["decode"], request, plan.decode, context)
+            return dispatch.decode_local(self.clients["decode"], request, plan.decode, context, sent=sent)
         assert plan.prefill is not None
         # The prefill worker carries this prompt from now until its prefill leg ends, whatever
         # happens after (the policy and the choice of prefill worker read this queue).
@@ -429,10 +431,19 @@ class PpdRouter:
 
         return dispatch.prefill_then_decode(self.clients["prefill"], self.clients["decode"], request,
                                             prefill, lambda: self._settle_decode(plan), context,
-                                            prefill_done=release)
+                                            prefill_sent=sent, prefill_done=release)
+
+    def _start_claim(self, plan: _Turn) -> None:
+        """Start a new session's etcd claim, once the turn's first request is with its worker.
+        Started before, its Python (aetcd, gRPC) held the event loop while that request was being
+        sent: the prefill worker got it ~0.9 ms later (`bench overhead`, docs/bench/relay.md)."""
+        if plan.unclaimed is not None:
+            plan.claim = asyncio.get_running_loop().create_task(self.sessions.claim(plan.unclaimed))
+            plan.unclaimed = None
 
     async def _settle_decode(self, plan: _Turn) -> int:
         """The decode worker, once a new session's claim is settled (the first claimant wins)."""
+        self._start_claim(plan)  # not started if no request got as far as a worker
         if plan.claim is not None:
             claimed, plan.claim = await plan.claim, None
             if claimed.decode_worker is not None and claimed.decode_worker in plan.decode_ids:
@@ -524,5 +535,6 @@ class _Turn:
     decision: Decision = Decision(Route.VIA_PREFILL, "undecided")
     prefill: int | None = None
     decode: int = 0  # the decode (or aggregated) worker
-    claim: asyncio.Task | None = None  # a new session's etcd claim, settled before decode
+    unclaimed: SessionRecord | None = None  # a new session to claim once a request is sent
+    claim: asyncio.Task | None = None  # that claim, under way; settled before decode
     decode_ids: list[int] = field(default_factory=list)
