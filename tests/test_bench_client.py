@@ -157,6 +157,14 @@ def test_bench_compare_two_systems_end_to_end(model_dir, tmp_path):
         # divided by 2), not twice it.
         assert o.all_turns.p50_tpot_s == pytest.approx(point.sim_outcome.all_turns.p50_tpot_s, rel=0.25)
     assert "router" in next(p for p in results.points if p.system == "ppd").cpu_cores
+    # The decisions, counted by the live workers and by the simulation: pd never runs a turn
+    # decode-local; the ppd router keeps follow-ups on their decode worker.
+    by_system = {p.system: p for p in results.points}
+    served = by_system["pd"].outcome.total_requests
+    assert by_system["pd"].routes == {"via_prefill": served}
+    assert by_system["pd"].sim_routes == {"via_prefill": served}
+    assert by_system["ppd"].routes.get("decode_local", 0) >= by_system["ppd"].outcome.turn2.count > 0
+    assert by_system["ppd"].sim_routes and by_system["ppd"].sim_routes.get("decode_local", 0) > 0
     assert res.load(out / "results.json") == results
     old = out / "old.json"
     old.write_text('{"version": 2, "config": "1P2D", "points": []}')
@@ -164,4 +172,5 @@ def test_bench_compare_two_systems_end_to_end(model_dir, tmp_path):
         res.load(old)
     table = (out / "results.md").read_text()
     assert "| ppd | turns-4 | 1 |" in table and "x |" in table and "live/sim" in table
+    assert f"| 0% / 0% of {served} |" in table  # pd's decode-local share, live / simulated
     assert (out / "turns-4.png").stat().st_size > 10_000

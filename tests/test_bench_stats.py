@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from dynamo_ppd.bench import results as res
@@ -121,8 +122,11 @@ def _point(system: str, qps: float, scale: float, sim_scale: float | None = None
 
 @pytest.mark.slow
 def test_markdown_gives_every_figure_and_ratio_an_interval():
+    ppd = msgspec.structs.replace(_point("ppd", 4.0, 0.018, 1.05),
+                                  routes={"decode_local": 6, "via_prefill": 4},
+                                  sim_routes={"decode_local": 3, "via_prefill": 1})
     results = res.BenchResults(res.RESULTS_VERSION, "1P3D", [
-        _point("pd", 4.0, 0.04), _point("cond-disagg", 4.0, 0.02, 1.0), _point("ppd", 4.0, 0.018, 1.05)])
+        _point("pd", 4.0, 0.04), _point("cond-disagg", 4.0, 0.02, 1.0), ppd])
     table = res.markdown(results)
     rows = {line.split("|")[1].strip(): line for line in table.splitlines()
             if line.startswith("| ") and "wildchat" in line}
@@ -130,6 +134,8 @@ def test_markdown_gives_every_figure_and_ratio_an_interval():
     assert "0.90 [0.90, 0.90]x | 0.90 [0.90, 0.90]x | yes" in table  # ppd / cond-disagg head-to-head
     health = [line for line in table.splitlines() if line.startswith("| ppd | 4 | 8 |")]
     assert health and "0.95 [0.95, 0.95]x" in health[0]  # live / sim, 1 / 1.05
+    assert "| 60% / 75% of 10 |" in health[0]  # decode-local share, live / simulated
+    assert "| - |" in next(line for line in table.splitlines() if line.startswith("| pd | 4 | 8 |"))
 
 
 def test_model_clock_rate_and_policy_read_dilated_wall_times_in_model_seconds():

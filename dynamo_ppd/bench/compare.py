@@ -46,7 +46,7 @@ from ..launch.process import free_port
 from ..sim.cluster import parse_config
 from ..workloads.manifest import Manifest, load_manifest, scale_arrivals
 from . import results as res
-from . import sizing
+from . import routes, sizing
 from .client import run_manifest
 from .cpu import CpuMeter
 from .progress import Progress
@@ -195,10 +195,15 @@ def compare(systems: list[str], workload: str | None, manifest_path: Path | None
                     # Simulated again now: the twin reads the same table file the router just loaded.
                     sim = (sizing.simulate_manifest(system, config, sized.manifest, sized.horizon_s, seed)
                            if simulate else None)
-                    points.append(play(dep.base_url, system, name, rate, sized.manifest, seed, n_dil,
-                                       sized.horizon_s, meter, note=sized.note,
-                                       sim_samples=sim.samples if sim else None,
-                                       sim_outcome=sim.outcome if sim else None))
+                    point = play(dep.base_url, system, name, rate, sized.manifest, seed, n_dil,
+                                 sized.horizon_s, meter, note=sized.note,
+                                 sim_samples=sim.samples if sim else None,
+                                 sim_outcome=sim.outcome if sim else None,
+                                 sim_routes=sim.routes if sim else None)
+                    # The decisions the live point made, read off its workers before they stop.
+                    ports = [int(p.env["DYN_SYSTEM_PORT"]) for p in dep.processes()
+                             if p.env.get("DYN_SYSTEM_PORT")]
+                    points.append(msgspec.structs.replace(point, routes=routes.scrape(ports)))
                 finally:
                     dep.stop()
                 write(results, out_dir, quiet=True)  # a partial report survives an interrupted run
@@ -220,7 +225,8 @@ def resimulate(results: res.BenchResults, systems: list[str], workload: str, see
             if not played <= {c.conversation_id for c in manifest.conversations}:
                 raise ValueError(f"{p.system} @ {p.qps:g}: the regenerated manifest is not the one played")
             sim = sizing.simulate_manifest(p.system, results.config, manifest, p.horizon_s, seed)
-            p = msgspec.structs.replace(p, sim_samples=sim.samples, sim_outcome=sim.outcome)
+            p = msgspec.structs.replace(p, sim_samples=sim.samples, sim_outcome=sim.outcome,
+                                        sim_routes=sim.routes)
         points.append(p)
     return res.BenchResults(results.version, results.config, points)
 

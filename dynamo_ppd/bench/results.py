@@ -23,7 +23,7 @@ import msgspec
 
 from ..sim.outcome import CHAT_TIMEOUT_S, Outcome, TurnResult
 from ..sim.outcome import summarize as summarize_outcome
-from . import plots
+from . import plots, routes
 from . import stats as bs
 from .client import RequestResult
 
@@ -82,6 +82,8 @@ class Point(msgspec.Struct, frozen=True):
     samples: list[Sample] = []
     sim_samples: list[Sample] | None = None  # the virtual-clock simulation of the same manifest
     sim_outcome: Outcome | None = None
+    routes: dict[str, int] = {}  # requests the workers answered, by route (`bench.routes`)
+    sim_routes: dict[str, int] | None = None  # the same in the simulation
     note: str = ""  # why the point is not what was asked for (e.g. its interval is too wide)
 
 
@@ -231,20 +233,32 @@ def markdown(results: BenchResults, baseline: str = "pd",
               "played, follow-ups answered and requests cut at the horizon; the turn-2+ TTFT interval's "
               "half-width against the +-10% target; live over the virtual-clock simulation of the same "
               "manifest; client lag p99 (model ms, and wall ms = model x N); cores each kind of process "
-              "used over the point, and the machine's load average (everything running on it) at its end.",
+              "used over the point, and the machine's load average (everything running on it) at its end; "
+              "the share of requests (every turn) that ran decode-local, live (counted by the workers) "
+              "and simulated: where it differs, the two decided differently.",
               "", "| system | QPS | N | conv | follow-ups | cut | TTFT 2+ CI +- | live/sim TTFT 2+ p50 | "
-              "live/sim TPOT p50 | client lag p99 | cores | load | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "live/sim TPOT p50 | decode-local live / sim | client lag p99 | cores | load | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         iv = interval(p, "turn2_ttft")
         width = "-" if iv is None else f"{iv.half_width * 100:.1f}%{'' if iv.within() else ' (> 10%)'}"
         lines.append(
             f"| {p.system} | {p.qps:g} | {p.dilation:g} | {p.conversations} | {p.outcome.turn2.count} | "
             f"{p.cut} | {width} | {_x(ratio(p, p, 'turn2_ttft', b_sim=True))} | "
-            f"{_x(ratio(p, p, 'tpot', b_sim=True))} | {p.client_lag_ms.p99:.2f} ms "
+            f"{_x(ratio(p, p, 'tpot', b_sim=True))} | {_shares(p)} | {p.client_lag_ms.p99:.2f} ms "
             f"({p.client_lag_ms.p99 * p.dilation:.1f}) | {_cores(p.cpu_cores)} | "
             f"{'-' if p.load_avg is None else f'{p.load_avg:.1f}'} | {p.note} |")
     return "\n".join(lines)
+
+
+def _shares(p: Point) -> str:
+    """The decode-local share live / simulated, with the live count ("-": not counted)."""
+    live, sim = routes.local_share(p.routes), routes.local_share(p.sim_routes)
+    if live is None and sim is None:
+        return "-"
+    n = p.routes.get("decode_local", 0) + p.routes.get("via_prefill", 0)
+    return (f"{'-' if live is None else f'{live:.0%}'} / {'-' if sim is None else f'{sim:.0%}'}"
+            f"{f' of {n}' if n else ''}")
 
 
 def versus(a: BenchResults, b: BenchResults, label_a: str, label_b: str) -> str:

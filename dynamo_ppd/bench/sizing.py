@@ -42,6 +42,7 @@ class SimPoint(msgspec.Struct, frozen=True):
     outcome: Outcome
     simulated_s: float  # the virtual clock when the run ended
     cut: int
+    routes: dict[str, int] = {}  # finished requests by route (`bench.routes`)
 
 
 def sim_router(profile, config: str, system: str, seed: int = 0):
@@ -79,7 +80,7 @@ def simulate_manifest(system: str, config: str, manifest: Manifest, horizon_s: f
     samples = [Sample(r.conversation_id, r.turn, r.ttft_s, r.tpot_s) for r in result.records
                if r.finished_s - r.arrival_s <= CHAT_TIMEOUT_S]
     return SimPoint(samples, summarize(turns, CHAT_TIMEOUT_S), result.simulated_s,
-                    len(result.in_flight) - len(timed_out))
+                    len(result.in_flight) - len(timed_out), result.route_counts())
 
 
 def first(manifest: Manifest, conversations: int) -> Manifest:

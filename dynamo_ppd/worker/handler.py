@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -44,6 +45,15 @@ from .live import WallClockEngine
 
 log = logging.getLogger("dynamo_ppd.worker")
 
+# Requests answered to the end, by route (`SimulatedTrtllmHandler.served`), on the system port.
+SERVED_METRIC = "dynamo_ppd_worker_served_requests_total"
+
+
+def served_lines(served: Counter[str]) -> list[str]:
+    """`SERVED_METRIC` in Prometheus text, one line per route."""
+    return [f"# TYPE {SERVED_METRIC} counter",
+            *(f'{SERVED_METRIC}{{route="{route}"}} {n}' for route, n in sorted(served.items()))]
+
 
 class SimulatedTrtllmHandler:
     """The endpoint handler: one instance per worker process."""
@@ -58,6 +68,10 @@ class SimulatedTrtllmHandler:
                      else profile.transfer.link_bandwidth_bytes_s)
         self.link = TransferLink(bandwidth, profile.transfer.transfer_setup_s)
         self.requests_total = 0
+        # Requests answered to the end, by the route their prompt's KV came by (the simulator's
+        # route names): what `bench compare` reads off the workers to set the live run's decisions
+        # beside its virtual-clock twin's.
+        self.served: Counter[str] = Counter()
 
     def _engine_request(self, request: dict[str, Any], request_id: str) -> tuple[EngineRequest, dict | None]:
         token_ids = list(request.get("token_ids") or [])
@@ -114,10 +128,18 @@ class SimulatedTrtllmHandler:
                     if self.config.mode == "prefill":
                         chunk["disaggregated_params"] = self._start_transfer(engine_request, out.at,
                                                                              out.token_ids[0])
+                    self.served[self._route(engine_request)] += 1
                 yield chunk
         finally:
             if not finished:
                 self.live.cancel(request_id)
+
+    def _route(self, request: EngineRequest) -> str:
+        if self.config.mode == "prefill":
+            return "prefill_leg"
+        if request.kind is RequestKind.GENERATION_ONLY:
+            return "via_prefill"
+        return "decode_local" if self.config.mode == "decode" else "aggregated"
 
     async def status(self, request: dict[str, Any] | None = None, context=None):
         """The ``status`` endpoint: load, and (with ``{"blocks": true}``) the ids of every cached
@@ -184,6 +206,7 @@ class _Publishers:
         self.fpm = FpmDirectPublisher(endpoint, str(instance_id), 1) if config.publish_metrics else None
         self.endpoint = endpoint
         self.iterations = 0
+        self.served: Counter[str] | None = None  # the handler's, set once it exists
 
     async def start(self) -> None:
         if self.metrics:
@@ -234,7 +257,7 @@ class _Publishers:
                     "prefill_tokens_total": self.engine.prefill_tokens_computed}
         for name, value in counters.items():
             lines += [f"# TYPE dynamo_ppd_engine_{name} counter", f"dynamo_ppd_engine_{name} {value}"]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + served_lines(self.served or Counter())) + "\n"
 
 
 async def serve(config: WorkerConfig) -> None:
@@ -248,6 +271,7 @@ async def serve(config: WorkerConfig) -> None:
     await publishers.start()
     live = WallClockEngine(engine, config.speedup, publishers.kv_events, publishers.iteration)
     handler = SimulatedTrtllmHandler(config, profile, live, instance_id)
+    publishers.served = handler.served
     live.start()
     if config.register_model:
         runtime_config = ModelRuntimeConfig()

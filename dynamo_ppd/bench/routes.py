@@ -1,0 +1,58 @@
+"""The route each answered request took, live and on the virtual clock: a point's decisions beside
+its latencies, so that a live run that disagrees with its simulated twin says whether the two
+decided differently or timed the same decisions differently.
+
+Live, the simulated workers count the requests they answered to the end by the route their
+prompt's KV came by (`worker.handler.SERVED_METRIC`, on each worker's system port: ``via_prefill``,
+``decode_local``, ``aggregated``, and ``prefill_leg`` on prefill workers, which is not a route);
+`bench compare` reads them off every worker at the end of a point. The simulation's records carry
+the same names (`sim.routing.route_name`). Both sides count finished requests only: one cut at the
+horizon counts on neither. The workers cannot tell a turn's number, so the shares are over every
+turn, first turns included.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+import httpx
+
+from ..worker.handler import SERVED_METRIC
+
+NOT_A_ROUTE = "prefill_leg"  # a prefill worker's half of a via_prefill request
+_LINE = re.compile(rf'^{SERVED_METRIC}{{route="([a-z_]+)"}} (\d+)$', re.MULTILINE)
+
+
+def parse(text: str) -> dict[str, int]:
+    """A worker's served requests by route, from its Prometheus text (none: {})."""
+    return {route: int(n) for route, n in _LINE.findall(text) if route != NOT_A_ROUTE}
+
+
+def add(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for one in counts:
+        for route, n in one.items():
+            total[route] = total.get(route, 0) + n
+    return dict(sorted(total.items()))
+
+
+def scrape(system_ports: Iterable[int], timeout_s: float = 5.0) -> dict[str, int]:
+    """Served requests by route, summed over the processes on these system ports (on loopback;
+    those that publish none, e.g. the frontend, add nothing)."""
+    counts = []
+    with httpx.Client(timeout=timeout_s) as client:
+        for port in system_ports:
+            try:
+                counts.append(parse(client.get(f"http://127.0.0.1:{port}/metrics").text))
+            except httpx.HTTPError:
+                continue  # a process without a metrics page: it served nothing we count
+    return add(counts)
+
+
+def local_share(routes: Mapping[str, int] | None) -> float | None:
+    """Share of the disaggregated requests that ran decode-local (None: there were none)."""
+    if not routes:
+        return None
+    local, via = routes.get("decode_local", 0), routes.get("via_prefill", 0)
+    return local / (local + via) if local + via else None
