@@ -6,9 +6,10 @@ Live, the simulated workers count the requests they answered to the end by the r
 prompt's KV came by (`worker.handler.SERVED_METRIC`, on each worker's system port: ``via_prefill``,
 ``decode_local``, ``aggregated``, and ``prefill_leg`` on prefill workers, which is not a route);
 `bench compare` reads them off every worker at the end of a point. The simulation's records carry
-the same names (`sim.routing.route_name`). Both sides count finished requests only: one cut at the
-horizon counts on neither. The workers cannot tell a turn's number, so the shares are over every
-turn, first turns included.
+the same names (`sim.routing.route_name`). Both sides count finished requests only: a request cut
+at the horizon is cancelled by the client and counts on neither (one that ends in the moment
+between the cut and its cancellation counts live only). The workers cannot tell a turn's number,
+so the shares are over every turn, first turns included.
 """
 
 from __future__ import annotations
