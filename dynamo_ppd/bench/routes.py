@@ -14,20 +14,22 @@ so the shares are over every turn, first turns included.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from ..worker.handler import SERVED_METRIC
 
 NOT_A_ROUTE = "prefill_leg"  # a prefill worker's half of a via_prefill request
-_LINE = re.compile(rf'^{SERVED_METRIC}{{route="([a-z_]+)"}} (\d+)$', re.MULTILINE)
 
 
 def parse(text: str) -> dict[str, int]:
-    """A worker's served requests by route, from its Prometheus text (none: {})."""
-    return {route: int(n) for route, n in _LINE.findall(text) if route != NOT_A_ROUTE}
+    """A worker's served requests by route, from its Prometheus text (none: {}); parsed as
+    `chaos.run.router_counters` parses the router's."""
+    return {sample.labels["route"]: int(sample.value)
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == SERVED_METRIC and sample.labels.get("route", NOT_A_ROUTE) != NOT_A_ROUTE}
 
 
 def add(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
