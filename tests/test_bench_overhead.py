@@ -22,3 +22,20 @@ def test_the_added_ttft_is_paired_over_requests():
     line = next(x for x in render(noisy).splitlines() if x.startswith("router adds"))
     low, high = (float(x) for x in line.split("[")[1].split("]")[0].split(", "))
     assert low < 2.5 and high > 1.5 and high - low < 6.0  # around the +2 ms, as wide as the noise
+
+
+def test_the_routers_own_decision_time_is_its_histograms_mean():
+    from prometheus_client import generate_latest
+
+    from dynamo_ppd.bench.overhead import decision_mean_ms
+    from dynamo_ppd.router.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    assert decision_mean_ms(generate_latest(metrics.registry).decode()) is None
+    for seconds in (0.0002, 0.0004, 0.0009):
+        metrics.decision_seconds.observe(seconds)
+    mean_ms, count = decision_mean_ms(generate_latest(metrics.registry).decode())
+    assert count == 3 and mean_ms == pytest.approx(0.5)
+    samples = {"pd": [50.0, 51.0], "ppd": [52.0, 53.0]}
+    assert "router's decision (session lookup, residency, loads, policy): mean 0.500 ms over 3 decisions" \
+        in render(samples, (mean_ms, count))

@@ -195,3 +195,27 @@ def test_load_reports_are_the_workers_latest_decoded_when_read():
     assert reports.get(22)["scheduled_requests"]["num_decode_requests"] == 5
     reports[44] = {"worker_id": "44"}  # set directly (the NATS fallback, tests)
     assert reports.get(44) == {"worker_id": "44"}
+
+
+def test_a_decisions_reports_read_every_tracker_once_whatever_the_number_of_workers():
+    import msgspec
+
+    from dynamo_ppd.router.load_reports import LoadReports
+
+    def raw(worker: int, decode: int) -> bytes:
+        return msgspec.msgpack.encode({"worker_id": str(worker),
+                                       "scheduled_requests": {"num_decode_requests": decode}})
+
+    prefill = _Tracker({("11", 0): raw(11, 0)})
+    decode = _Tracker({("22", 1): raw(22, 9), ("22", 0): raw(22, 3), ("33", 0): raw(33, 4)})
+    reports = LoadReports()
+    reports.track(prefill)
+    reports.track(decode)
+    reports[44] = {"worker_id": "44"}
+    latest = reports.latest([11, 22, 33, 44, 55])
+    assert (prefill.calls, decode.calls) == (1, 1)
+    ids = {w: r and r["worker_id"] for w, r in latest.items()}
+    assert ids == {11: "11", 22: "22", 33: "33", 44: "44", 55: None}
+    assert latest[22]["scheduled_requests"]["num_decode_requests"] == 3  # the lowest rank, whatever the order
+    reports.latest([44])
+    assert (prefill.calls, decode.calls) == (1, 1)  # set directly: no tracker read

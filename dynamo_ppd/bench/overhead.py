@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import httpx
@@ -63,9 +64,36 @@ def _up(graph: str, workdir: Path):
                  log=lambda _m: None)
 
 
+def decision_mean_ms(metrics_text: str) -> tuple[float, int] | None:
+    """The router's own mean decision time in ms and how many decisions it covers, from its
+    Prometheus text (the ``ppd_decision_seconds`` histogram's sum and count); None: no decision."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "ppd_decision_seconds_sum":
+                total += sample.value
+            elif sample.name == "ppd_decision_seconds_count":
+                count += sample.value
+    return (total / count * 1e3, int(count)) if count else None
+
+
+def _router_decisions(dep) -> tuple[float, int] | None:
+    url = dep.metrics_urls.get("router")
+    if url is None:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (loopback)
+            return decision_mean_ms(response.read().decode())
+    except OSError:
+        return None
+
+
 def measure(requests: int, prompt_words: int, max_tokens: int, workdir: Path,
-            gap_s: float = 0.05) -> dict[str, list[float]]:
-    """TTFT samples (ms) per system, request i of each system on the same prompt."""
+            gap_s: float = 0.05) -> tuple[dict[str, list[float]], tuple[float, int] | None]:
+    """TTFT samples (ms) per system, request i of each system on the same prompt; and the PPD
+    router's own mean decision time (ms, decisions), read off its metrics before it stops."""
     deps = {}
     try:
         for graph in SYSTEMS:
@@ -91,13 +119,13 @@ def measure(requests: int, prompt_words: int, max_tokens: int, workdir: Path,
                     samples[graph].append(ask(graph, prompt))
                 if (i + 1) % 20 == 0 or i + 1 == requests:
                     sys.stderr.write(f"  {i + 1}/{requests} request pairs\n")
-        return samples
+        return samples, _router_decisions(deps["ppd"])
     finally:
         for dep in deps.values():
             dep.stop()
 
 
-def render(samples: dict[str, list[float]]) -> str:
+def render(samples: dict[str, list[float]], decisions: tuple[float, int] | None = None) -> str:
     out = [f"{'system':<34}{'n':>5}{'p50 ms':>9}{'p90 ms':>9}{'mean ms':>9}"]
     for graph in SYSTEMS:
         values = samples[graph]
@@ -109,6 +137,9 @@ def render(samples: dict[str, list[float]]) -> str:
     if added is not None:
         out.append(f"router adds {added.value:+.2f} ms to median TTFT, 95% interval [{added.low:+.2f}, "
                    f"{added.high:+.2f}] over {added.conversations} request pairs")
+    if decisions is not None:
+        out.append(f"of which the router's decision (session lookup, residency, loads, policy): mean "
+                   f"{decisions[0]:.3f} ms over {decisions[1]} decisions (its ppd_decision_seconds)")
     return "\n".join(out)
 
 
@@ -122,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=positive_int, default=4, help="output tokens per request")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ppd-overhead-") as tmp:
-        samples = measure(args.requests, args.prompt_words, args.max_tokens, Path(tmp))
-    print(render(samples))
+        samples, decisions = measure(args.requests, args.prompt_words, args.max_tokens, Path(tmp))
+    print(render(samples, decisions))
     return 0
 
 

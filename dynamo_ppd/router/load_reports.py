@@ -15,6 +15,7 @@ only, as before; a worker with several data-parallel ranks is read at its lowest
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -29,7 +30,6 @@ class LoadReports:
     def __init__(self) -> None:
         self._set: dict[int, dict] = {}
         self._trackers: list[Any] = []
-        self._home: dict[int, Any] = {}  # worker -> the tracker that has its reports
         self._decoded: dict[int, tuple[bytes, dict]] = {}  # worker -> (raw report, decoded)
 
     def track(self, tracker: Any) -> None:
@@ -40,31 +40,37 @@ class LoadReports:
         self._set[worker] = report
 
     def get(self, worker: int, default: dict | None = None) -> dict | None:
-        if worker in self._set:
-            return self._set[worker]
-        raw = self._raw(worker)
-        if raw is None:
-            return default
+        found = self.latest([worker])[worker]
+        return default if found is None else found
+
+    def latest(self, workers: Iterable[int]) -> dict[int, dict | None]:
+        """Each worker's latest report (None: none yet), reading every tracker once: a read
+        crosses into Rust and copies every tracked worker's report, and a decision wants the
+        reports of all its workers at once."""
+        out: dict[int, dict | None] = {w: self._set.get(w) for w in workers}
+        wanted = {str(w): w for w, report in out.items() if report is None}
+        if not wanted:
+            return out
+        found: dict[int, tuple[int, bytes]] = {}  # worker -> (lowest rank seen, its raw report)
+        for tracker in self._trackers:
+            for (wid, rank), raw in tracker.get_recent_stats().items():
+                worker = wanted.get(wid)
+                if worker is not None and (worker not in found or rank < found[worker][0]):
+                    found[worker] = (rank, raw)
+        for worker, (_, raw) in found.items():
+            out[worker] = self._decode(worker, raw)
+        return out
+
+    def _decode(self, worker: int, raw: bytes) -> dict | None:
         cached = self._decoded.get(worker)
         if cached is not None and cached[0] == raw:
             return cached[1]
         try:
             report = msgspec.msgpack.decode(raw)
         except msgspec.DecodeError:  # a malformed report only costs freshness
-            return cached[1] if cached else default
+            return cached[1] if cached else None
         self._decoded[worker] = (raw, report)
         return report
-
-    def _raw(self, worker: int) -> bytes | None:
-        key = str(worker)
-        home = self._home.get(worker)
-        for tracker in ([home] if home is not None else []) + self._trackers:
-            found = [(rank, raw) for (wid, rank), raw in tracker.get_recent_stats().items() if wid == key]
-            if found:
-                self._home[worker] = tracker
-                return min(found)[1]
-        self._home.pop(worker, None)
-        return None
 
     async def on_nats_message(self, msg) -> None:
         """The fallback without a tracker: every report over NATS, parsed here."""

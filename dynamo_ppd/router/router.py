@@ -325,10 +325,11 @@ class PpdRouter:
         bs = self.config.block_size
         disaggregated = [*prefill, *decode]
         every = [*disaggregated, *replica]
+        reports = self.reports.latest(disaggregated)
         return planner.WorkersView(
             prefill, decode, replica,
             cached_tokens={w: self.residency.held_blocks(w, chain) * bs for w in every},
-            loads={w: self.loads.of(w, self.reports.get(w)) for w in disaggregated},
+            loads={w: self.loads.of(w, reports[w]) for w in disaggregated},
             routed={w: self.loads.routed(w) for w in every})
 
     def _select_table(self, prefill_workers: int, decode_workers: int) -> None:
