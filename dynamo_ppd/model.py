@@ -293,3 +293,32 @@ def load_model_info(model_dir: Path) -> ModelInfo:
 
 def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def chat_template_tokens(model_dir: Path | None = None):  # -> sim.conversation.ChatTemplate
+    """How many tokens the model directory's chat template puts around each user message, as the
+    frontend renders and tokenizes a conversation: what the simulator's prompts must add to be as
+    long as the live ones (`bench compare`'s twin; docs/bench/dilation.md, "Why ppd runs slower
+    than its twin"). Counted on a rendering with marker messages, each piece tokenized alone."""
+    import jinja2
+    from tokenizers import Tokenizer
+
+    from .sim.conversation import ChatTemplate
+
+    directory = model_dir or default_model_dir()
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    template = jinja2.Environment().from_string(config["chat_template"])
+
+    def render(messages: list[dict]) -> str:
+        return template.render(messages=messages, add_generation_prompt=True,
+                               bos_token=config.get("bos_token", ""), eos_token=config.get("eos_token", ""))
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False).ids)
+
+    first, rest = render([{"role": "user", "content": "\x00"}]).split("\x00")
+    turns = render([{"role": "user", "content": "\x00"}, {"role": "assistant", "content": "\x01"},
+                    {"role": "user", "content": "\x02"}])
+    between = turns.split("\x01")[1].split("\x02")[0]
+    return ChatTemplate(first_prefix=count(first), next_prefix=count(between), suffix=count(rest))

@@ -95,3 +95,25 @@ def test_init_refuses_to_overwrite_a_foreign_directory(tmp_path):
     with pytest.raises(model.ModelDirError, match="refusing to overwrite"):
         model.init_model_dir(real, force=True)
     assert (real / "model.safetensors").read_text() == "weights"
+
+
+@pytest.mark.slow
+def test_chat_template_tokens_are_what_the_template_adds_around_each_message(model_dir, tokenizer):
+    """`chat_template_tokens` against transformers' own rendering of whole conversations."""
+    template = model.chat_template_tokens(model_dir)
+    low, _ = model.load_model_info(model_dir).generation_token_range
+    words = [tokenizer.decode([i]) for i in range(low, low + 40)]  # one token each, as the bench's text
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    first, second = "".join(words[:20]), "".join(words[20:31])
+    reply_ids = list(range(low + 100, low + 130))
+    turn1 = _ids(tokenizer.apply_chat_template([{"role": "user", "content": first}],
+                                               add_generation_prompt=True))
+    assert len(turn1) == template.first_prefix + count(first) + template.suffix
+    turn2 = _ids(tokenizer.apply_chat_template(
+        [{"role": "user", "content": first}, {"role": "assistant", "content": tokenizer.decode(reply_ids)},
+         {"role": "user", "content": second}], add_generation_prompt=True))
+    assert len(turn2) == len(turn1) + len(reply_ids) + template.next_prefix + count(second) + template.suffix
+    assert template.first_prefix + template.suffix > 5  # more than the simulator's own template adds

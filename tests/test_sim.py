@@ -13,6 +13,7 @@ from dynamo_ppd.engine import load_profile
 from dynamo_ppd.sim.cluster import Cluster, parse_config
 from dynamo_ppd.sim.conversation import (
     TEMPLATE_TOKENS,
+    ChatTemplate,
     Conversation,
     ConversationPrompts,
     Turn,
@@ -81,6 +82,20 @@ def test_prompts_extend_the_history_exactly():
     assert new2 == TEMPLATE_TOKENS + 20 and len(second) == len(first) + 3 + new2
     again = ConversationPrompts(Conversation("c", 0.0, []))
     assert again.next_prompt(Turn(100, 8))[0] == first  # seeded per conversation
+
+
+def test_a_live_chat_templates_tokens_surround_every_message_and_the_history_still_extends():
+    template = ChatTemplate(first_prefix=7, next_prefix=7, suffix=10)
+    prompts = ConversationPrompts(Conversation("c", 0.0, [], template=template))
+    first, new1 = prompts.next_prompt(Turn(100, 8))
+    assert len(first) == new1 == 7 + 100 + 10
+    assert all(2000 <= t < 8000 for t in first[7:107]) and all(t < 1000 for t in first[:7] + first[107:])
+    prompts.record_output([1500, 1501, 1502])
+    second, new2 = prompts.next_prompt(Turn(20, 8))
+    assert second[:len(first) + 3] == first + [1500, 1501, 1502]  # the previous turn's KV still matches
+    assert new2 == 7 + 20 + 10 and len(second) == len(first) + 3 + new2
+    plain = ConversationPrompts(Conversation("c", 0.0, []))
+    assert first[7:107] == plain.next_prompt(Turn(100, 8))[0][5:]  # the same user tokens
 
 
 # -- determinism and the handoff -------------------------------------------------------------------

@@ -18,11 +18,13 @@ times its model duration); a point that could not be sized says so in its note.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import msgspec
 
+from .. import model
 from ..engine.profile import DEFAULT_PROFILE, load_profile
 from ..sim.cluster import Cluster
 from ..sim.outcome import CHAT_TIMEOUT_S, Outcome, TurnResult, summarize
@@ -64,14 +66,28 @@ def sim_router(profile, config: str, system: str, seed: int = 0):
     return router_for(profile, config, SIM_POLICY[system], seed)
 
 
+@functools.cache
+def live_template():  # -> sim.conversation.ChatTemplate
+    """The local model's chat template, as the live graphs' frontend renders it (the model
+    directory is made if missing, as the graphs make it)."""
+    path = model.default_model_dir()
+    if not model.is_complete(path):
+        model.init_model_dir(path)
+    return model.chat_template_tokens(path)
+
+
 def simulate_manifest(system: str, config: str, manifest: Manifest, horizon_s: float | None,
                       seed: int = 0, profile: str = DEFAULT_PROFILE) -> SimPoint:
-    """The manifest through ``system``'s simulated twin on ``config``, cut at ``horizon_s``."""
+    """The manifest through ``system``'s simulated twin on ``config``, cut at ``horizon_s``. Its
+    prompts carry the live model's chat template tokens (`live_template`): ~17 a turn here,
+    where the simulator's own template adds 5, and a longer context makes every decode iteration
+    a little longer (docs/bench/dilation.md, "Why ppd runs slower than its twin")."""
     prof = load_profile(profile)
     cluster_config, router = sim_router(prof, config, system, seed)
     cluster = Cluster.from_config(prof, cluster_config, seed=seed)
     until = horizon_s if horizon_s is not None else NO_HORIZON_S
-    result = simulate(cluster, to_sim(manifest), router, until_s=until, timeout_s=CHAT_TIMEOUT_S,
+    conversations = to_sim(manifest, template=live_template())
+    result = simulate(cluster, conversations, router, until_s=until, timeout_s=CHAT_TIMEOUT_S,
                       on_finish=getattr(router, "on_finish", None))
     turns: list[TurnResult] = [r.turn_result() for r in result.records]
     # In flight at the end: given up at its deadline before the cut (a failure), else cut.

@@ -28,6 +28,28 @@ USER_TOKEN_RANGE = (2000, 8000)
 _USER_IDS = range(*USER_TOKEN_RANGE)
 
 
+class ChatTemplate(msgspec.Struct, frozen=True):
+    """How many template tokens a chat template puts around each user message, for prompts built
+    the way a live stack renders them (`model.chat_template_tokens` counts them for the local
+    model). ``first_prefix``: before the first message (BOS and the user header);
+    ``next_prefix``: between an answer and the next message (end of turn and the user header);
+    ``suffix``: after each message (end of turn and the assistant header, the generation
+    prompt)."""
+
+    first_prefix: int
+    next_prefix: int
+    suffix: int = 0
+
+
+# The simulator's own template (the layout above): BOS + user header, then end-of-turn + user header.
+SIM_TEMPLATE = ChatTemplate(first_prefix=TEMPLATE_TOKENS, next_prefix=TEMPLATE_TOKENS, suffix=0)
+
+
+def _template_ids(count: int, first: int) -> list[int]:
+    """``count`` template ids: ``first``, then the user header, then further ids below 1000."""
+    return [first, *[USER_HEADER[i] if i < len(USER_HEADER) else 10 + i for i in range(count - 1)]][:count]
+
+
 class Turn(msgspec.Struct, frozen=True):
     """One user message: its size, the output cap, and how long the user thinks before sending
     it (counted from the end of the previous turn; ignored for the first turn)."""
@@ -48,6 +70,9 @@ class Conversation(msgspec.Struct, frozen=True):
     # output comes back as text and is tokenized again, which does not reproduce the sampled
     # ids, so no cache can match past the previous prompt; the output is prefilled again.
     history_as_text: bool = False
+    # The template's token counts; None: the simulator's own (`SIM_TEMPLATE`). `bench compare`'s
+    # twin sets the live model's, so its prompts are as long as the ones the live stack prefills.
+    template: ChatTemplate | None = None
 
 
 class ConversationPrompts:
@@ -60,6 +85,10 @@ class ConversationPrompts:
         self.conversation = conversation
         self._rng = random.Random(f"{conversation.seed}:{conversation.conversation_id}")
         self._history: list[int] = []  # previous prompt + previous output
+        template = conversation.template or SIM_TEMPLATE
+        self._first = _template_ids(template.first_prefix, BOS_TOKEN)
+        self._next = _template_ids(template.next_prefix, END_OF_TURN_TOKEN)
+        self._suffix = [7 + i % 3 for i in range(template.suffix)]  # end of turn + assistant header
 
     def _user_tokens(self, count: int) -> list[int]:
         return self._rng.choices(_USER_IDS, k=count)  # several times faster than randrange per token
@@ -67,9 +96,9 @@ class ConversationPrompts:
     def next_prompt(self, turn: Turn) -> tuple[list[int], int]:
         """The next turn's prompt and its number of new tokens (for turn 1, all of them)."""
         if not self._history:
-            prompt = [BOS_TOKEN, *USER_HEADER, *self._user_tokens(turn.user_tokens)]
+            prompt = [*self._first, *self._user_tokens(turn.user_tokens), *self._suffix]
         else:
-            prompt = [*self._history, END_OF_TURN_TOKEN, *USER_HEADER, *self._user_tokens(turn.user_tokens)]
+            prompt = [*self._history, *self._next, *self._user_tokens(turn.user_tokens), *self._suffix]
         new_tokens = len(prompt) - len(self._history)
         self._history = prompt
         return prompt, new_tokens

@@ -248,14 +248,16 @@ def save_manifest(manifest: Manifest, path: str | Path) -> None:
     Path(path).write_bytes(dump_manifest(manifest))
 
 
-def to_sim(manifest: Manifest, count_tokens: TokenCounter | None = None) -> list[sim.Conversation]:
+def to_sim(manifest: Manifest, count_tokens: TokenCounter | None = None,
+           template: sim.ChatTemplate | None = None) -> list[sim.Conversation]:
     """The simulator's conversations for this manifest, turn for turn. Text turns become token
     counts with ``count_tokens`` (default: words, `approx_tokens`); the header's seed seeds the
-    simulated user tokens."""
+    simulated user tokens; ``template``: the chat template's token counts (None: the
+    simulator's own)."""
     seed = manifest.header.seed if manifest.header else 0
     return [sim.Conversation(c.conversation_id, c.arrival_s,
                              [sim.Turn(turn_user_tokens(t, count_tokens), t.max_tokens, t.think_time_s)
-                              for t in c.turns], seed=seed)
+                              for t in c.turns], seed=seed, template=template)
             for c in manifest.conversations]
 
 
