@@ -17,6 +17,7 @@ template ids (< 1000).
 from __future__ import annotations
 
 import random
+from typing import Annotated
 
 import msgspec
 
@@ -36,9 +37,9 @@ class ChatTemplate(msgspec.Struct, frozen=True):
     ``suffix``: after each message (end of turn and the assistant header, the generation
     prompt)."""
 
-    first_prefix: int
-    next_prefix: int
-    suffix: int = 0
+    first_prefix: Annotated[int, msgspec.Meta(ge=0)]
+    next_prefix: Annotated[int, msgspec.Meta(ge=0)]
+    suffix: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 # The simulator's own template (the layout above): BOS + user header, then end-of-turn + user header.
