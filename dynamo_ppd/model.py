@@ -276,6 +276,14 @@ def is_complete(model_dir: Path) -> bool:
     return all((model_dir / f).is_file() for f in _REQUIRED_FILES)
 
 
+def ensure_model_dir(model_dir: Path | None = None) -> Path:
+    """``model_dir`` (default: the cache's), made first if it is missing; its path."""
+    path = model_dir or default_model_dir()
+    if not is_complete(path):
+        init_model_dir(path)
+    return path
+
+
 def load_model_info(model_dir: Path) -> ModelInfo:
     path = Path(model_dir) / "dynamo_ppd_model.json"
     if not path.is_file():

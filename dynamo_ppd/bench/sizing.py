@@ -70,10 +70,7 @@ def sim_router(profile, config: str, system: str, seed: int = 0):
 def live_template():  # -> sim.conversation.ChatTemplate
     """The local model's chat template, as the live graphs' frontend renders it (the model
     directory is made if missing, as the graphs make it)."""
-    path = model.default_model_dir()
-    if not model.is_complete(path):
-        model.init_model_dir(path)
-    return model.chat_template_tokens(path)
+    return model.chat_template_tokens(model.ensure_model_dir())
 
 
 def simulate_manifest(system: str, config: str, manifest: Manifest, horizon_s: float | None,

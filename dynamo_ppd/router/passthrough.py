@@ -38,9 +38,7 @@ async def serve(args: argparse.Namespace) -> None:
         async for chunk in await decode.direct(request, worker, annotated=False, context=context):
             yield chunk
 
-    path = args.model_path or model_dir.default_model_dir()
-    if not model_dir.is_complete(path):
-        model_dir.init_model_dir(path)
+    path = model_dir.ensure_model_dir(args.model_path)
     name = args.served_model_name or model_dir.load_model_info(path).served_model_name
     endpoint = runtime.endpoint(f"{args.namespace}.router.generate")
     await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, str(path),

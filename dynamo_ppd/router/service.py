@@ -68,9 +68,7 @@ async def serve(config: RouterConfig) -> None:
     if config.speedup != 1.0:
         router.rate.local = ModelClockRate(config.speedup, router.rate.local.window_s)
     await router.start()
-    path = config.model_path or model_dir.default_model_dir()
-    if not model_dir.is_complete(path):
-        model_dir.init_model_dir(path)
+    path = model_dir.ensure_model_dir(config.model_path)
     router.limits.context_window = read_context_window(path)
     # The decode workers' KV capacity, from the model cards they register with Dynamo's discovery.
     discovery_etcd = os.environ.get("ETCD_ENDPOINTS", config.etcd_url).split(",")[0]

@@ -183,9 +183,7 @@ def build_engine(config: WorkerConfig) -> tuple[EngineProfile, Engine, model_dir
             limits, max_batch_size=config.max_batch_size or limits.max_batch_size,
             max_num_tokens=config.max_num_tokens or limits.max_num_tokens)
         profile = msgspec.structs.replace(profile, engine=limits)
-    path = config.model_path or model_dir.default_model_dir()
-    if not model_dir.is_complete(path):
-        model_dir.init_model_dir(path)
+    path = model_dir.ensure_model_dir(config.model_path)
     info = model_dir.load_model_info(path)
     engine = Engine(profile, EngineConfig(token_range=info.generation_token_range, seed=config.seed,
                                           capacity_blocks=config.kv_capacity_blocks))
