@@ -21,7 +21,7 @@ from dynamo_ppd.policy.placement import (
     pick_prefill,
     place,
 )
-from dynamo_ppd.policy.simulate import PolicyRouter
+from dynamo_ppd.policy.simulate import PolicyRouter, cluster_state
 from dynamo_ppd.router.args import parse_args
 from dynamo_ppd.router.metrics import RouterMetrics
 from dynamo_ppd.router.router import PpdRouter, _Turn
@@ -210,3 +210,56 @@ def test_router_and_simulator_place_a_request_identically(args):
         assert (placed.decision.route, placed.decode) == (Route.DECODE_LOCAL, "D0")
     if args[-1] == "auto":
         assert placed.decision.cell is not None  # decided from the shipped 2P2D table
+
+
+def test_router_and_simulator_count_what_they_routed_alike_and_place_a_new_conversation_alike():
+    """A new conversation goes to the decode worker with the fewest requests routed there, then
+    the fewest context tokens *routed* (the prompts, as the live router counts them), not the
+    most KV (which grows as the worker answers): the simulator once ranked by its engines' KV,
+    and its twin of a live run sent conversations to other workers (docs/bench/dilation.md)."""
+    cluster = Cluster.from_config(PROFILE, "1P2D")
+    done: list[ClusterRequest] = []
+
+    def send(request_id: str, prompt: list[int], route) -> None:
+        cluster.dispatch(ClusterRequest(request_id, request_id, prompt, cluster.prompt_hashes(prompt), 4000,
+                                        cluster.now, route, done.append))
+
+    send("a", list(range(1000, 1064)), DecodeLocal("D0"))  # a short prompt, answered for a while
+    cluster.run(until_s=1.0)
+    send("b", list(range(2000, 2150)), DecodeLocal("D1"))  # a longer one, just started
+    cluster.run(until_s=cluster.now + 0.02)
+    view = cluster.view
+    assert not done and view.load("D0").decode_kv_tokens > view.load("D1").decode_kv_tokens + 50
+
+    ids = {"P0": 1, "D0": 11, "D1": 12}
+    config = parse_args(["--mode", "pd"])
+    router = PpdRouter(None, config, build_policy(config), RouterMetrics(),
+                       clients={"prefill": FakeClient([ids["P0"]], "prefill"),
+                                "decode": FakeClient([ids["D0"], ids["D1"]], "decode")})
+    for name, prompt in (("D0", 64), ("D1", 150)):  # what the router counted when it routed a and b
+        router.loads.inflight[ids[name]] += 1
+        router.loads.context_tokens[ids[name]] += prompt
+    for name, worker in ids.items():
+        router.reports[worker] = report_of(view.load(name))
+    state = cluster_state(view, [])
+    for name, worker in ids.items():
+        assert state.routed[name] == router.loads.routed(worker), name
+        assert state.loads[name] == router.loads.of(worker, router.reports.get(worker)), name
+
+    new = list(range(5000, 5040))
+    router.rate.record(time.monotonic())
+    plan = asyncio.run(router._plan({"token_ids": new, "stop_conditions": {"max_tokens": 128}}, new))
+    f = SimRequestFeatures(conversation_id="c", turn=1, prompt_tokens=len(new), new_tokens=len(new),
+                           max_tokens=128, decode_worker=None, cached_on_decode=0, now=cluster.now,
+                           token_ids=new)
+    placed = PolicyRouter(build_policy(config)).place(f, view)
+    assert placed.decode == {v: k for k, v in ids.items()}[plan.decode] == "D0"
+
+    # A prefill leg: the live router charges the prefill worker the whole prompt until the leg
+    # ends, and counts the request on its decode worker from the moment it routes it.
+    send("c", new, ViaPrefill("P0", "D1"))
+    state = cluster_state(view, [])
+    assert state.routed["P0"] == Routed(prefill_tokens=len(new))
+    assert state.routed["D1"] == Routed(requests=2, context_tokens=150 + len(new))
+    cluster.run()
+    assert all(view.inflight_prompt_tokens(w) == 0 and view.inflight(w) == 0 for w in ids)

@@ -30,37 +30,46 @@ def prefill_queue_tokens(view: ClusterView, worker: str) -> int:
 
 
 def worker_load(view: ClusterView, worker: str | None, load: LoadSnapshot | None = None) -> WorkerLoad:
-    """A worker's load as the live router sees it: its own in-flight count and the worker's
-    reported decode batch, whichever is larger (see `dynamo_ppd.router.router`). ``load``: the
-    worker's snapshot, if the caller has it already."""
+    """A worker's load as the live router sees it (`dynamo_ppd.router.router._Loads.of`): for each
+    figure, its own count of what it routed there (`Routed`) or the worker's report (its engine
+    now), whichever is larger. ``load``: the worker's snapshot, if the caller has it already."""
     if worker is None:
         return WorkerLoad()
     load = load or view.load(worker)
-    decoding = load.decode_requests + load.awaiting_kv_requests
-    return WorkerLoad(inflight_requests=view.inflight(worker),
-                      pending_prefill_tokens=load.waiting_prompt_tokens + load.prefill_tokens_remaining,
-                      decode_requests=max(decoding, view.inflight(worker)),
-                      decode_kv_tokens=load.decode_kv_tokens + load.awaiting_kv_tokens)
+    own = routed(view, worker)
+    reported_prefill = load.waiting_prompt_tokens + load.prefill_tokens_remaining
+    reported_decode = load.decode_requests + load.awaiting_kv_requests
+    reported_kv = load.decode_kv_tokens + load.awaiting_kv_tokens
+    return WorkerLoad(inflight_requests=own.requests,
+                      pending_prefill_tokens=max(own.prefill_tokens, reported_prefill),
+                      decode_requests=max(own.requests, reported_decode),
+                      decode_kv_tokens=max(own.context_tokens, reported_kv))
+
+
+def routed(view: ClusterView, worker: str) -> Routed:
+    """What the router has routed to the worker and not seen end, counted as the live router
+    counts it (`_Loads`): the requests, and their prompts' tokens, as prefill work on a prefill
+    worker (its prefill legs) and as context on a decode worker, from the moment they are routed.
+    (Not the worker's KV: a decode worker's context grows as it answers, the router's count
+    does not; ranking new conversations by the KV sent them to other workers than the live
+    router's, docs/bench/dilation.md.)"""
+    prompts = view.inflight_prompt_tokens(worker)
+    if worker in view.prefill_workers:
+        return Routed(requests=0, prefill_tokens=prompts)  # the live router counts no requests on P
+    return Routed(requests=view.inflight(worker), context_tokens=prompts)
 
 
 def cluster_state(view: ClusterView, tokens: list[int], session: str | None = None) -> ClusterState[str]:
     """What placement reads, from the simulated cluster as the live router gathers it: what the
     prefill workers and the session's decode worker hold of the prompt (KV events: the router's
     residency index), each worker's load as the policy reads it (`worker_load`), and this
-    router's own counts. The simulator has one router, so what is queued on a worker is all its
-    own: requests in flight from the cluster's routing bookkeeping, prefill tokens from the
-    worker's queue, context from what it decodes or awaits KV for (the live router counts a
-    request's prompt from routing on, the simulator's view once it reached the worker)."""
-    loads, routed = {}, {}
-    for worker in [*view.prefill_workers, *view.decode_workers]:
-        load = view.load(worker)
-        loads[worker] = worker_load(view, worker, load)
-        routed[worker] = Routed(requests=view.inflight(worker),
-                                prefill_tokens=loads[worker].pending_prefill_tokens,
-                                context_tokens=loads[worker].decode_kv_tokens)
+    router's own counts (`routed`; the simulator has one router, so they are all the traffic)."""
+    workers = [*view.prefill_workers, *view.decode_workers]
+    loads = {worker: worker_load(view, worker) for worker in workers}
     holders = [*view.prefill_workers, *([session] if session is not None else [])]
     cached = {worker: view.cached_prefix_tokens(worker, tokens) for worker in holders}
-    return ClusterState(view.prefill_workers, view.decode_workers, loads, routed, cached)
+    return ClusterState(view.prefill_workers, view.decode_workers, loads,
+                        {worker: routed(view, worker) for worker in workers}, cached)
 
 
 class PolicyRouter:

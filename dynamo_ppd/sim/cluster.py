@@ -85,6 +85,7 @@ class Worker:
     wake_seq: int | None = None  # the pending STEP event that counts (later ones are stale)
     wake_at: float = float("inf")
     inflight: int = 0  # requests routed here and not done with it yet
+    inflight_prompt_tokens: int = 0  # their prompts' tokens (the live router's own count, `Routed`)
     evicted_blocks: int = 0
 
 
@@ -221,6 +222,7 @@ class Cluster:
             request.prefill = prefill_leg(request.request_id, request.prompt, request.prompt_hashes)
             self._submit(prefill, request.prefill, stack.request_overhead_s)
             decode.inflight += 1  # counted from now: the router has committed to it
+            decode.inflight_prompt_tokens += len(request.prompt)
         elif isinstance(assignment, (DecodeLocal, Replica)):
             delay_s = stack.request_overhead_s
             if isinstance(assignment, DecodeLocal):
@@ -257,6 +259,7 @@ class Cluster:
         """Hand ``request`` to the worker's engine ``delay_s`` from now (counted in its
         in-flight requests from now: the router has committed to it)."""
         worker.inflight += 1
+        worker.inflight_prompt_tokens += len(request.prompt)
         if delay_s > 0:
             self.call_at(self.now + delay_s, self._arrive, worker, request)
         else:
@@ -314,6 +317,7 @@ class Cluster:
             if not out.finished or request is None:  # None: submitted to the engine directly
                 continue  # (background load in experiments), not routed through the cluster
             worker.inflight -= 1
+            worker.inflight_prompt_tokens -= len(request.prompt)
             if worker.role is Role.PREFILL:
                 self._hand_off(worker, request, out)
             else:
@@ -371,6 +375,11 @@ class ClusterView:
     def inflight(self, worker_id: str) -> int:
         """Requests routed to the worker and not finished there (a router's own bookkeeping)."""
         return self._get(worker_id).inflight
+
+    def inflight_prompt_tokens(self, worker_id: str) -> int:
+        """The prompt tokens of those requests (on a prefill worker: of its prefill legs), as the
+        live router counts what it routed (`dynamo_ppd.policy.placement.Routed`)."""
+        return self._get(worker_id).inflight_prompt_tokens
 
     def cached_prefix_tokens(self, worker_id: str, tokens: list[int]) -> int:
         """Leading tokens of ``tokens`` whose KV blocks the worker holds (full blocks only)."""
