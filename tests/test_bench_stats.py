@@ -170,3 +170,29 @@ def test_versus_pairs_the_points_two_runs_share():
     rows = [line for line in table.splitlines() if "wildchat" in line]
     assert len(rows) == 1 and rows[0].startswith("| ppd |")  # pd ran in one of them only
     assert "1.05 [1.05, 1.05]x" in rows[0]
+
+
+def test_bench_resimulate_simulates_a_runs_twins_again_and_keeps_its_live_figures(tmp_path, capsys):
+    """`bench resimulate`: after the simulator changed, a run's twins are simulated again on the
+    manifests it played (docs/bench/dilation.md); here the "live" samples are the pd twin's own,
+    so the new twin must give them back exactly."""
+    from dynamo_ppd.bench.compare import _base_manifests
+    from dynamo_ppd.cli import main
+
+    _, (base,) = _base_manifests("wildchat", None, [8.0], 2000, 0)
+    manifest = sizing.first(base, 12)
+    twin = sizing.simulate_manifest("pd", "1P3D", manifest, None, 0)
+    live = res.Point("pd", "wildchat", 8.0, twin.outcome, 8.0, res.stats([0.1]), dilation=32.0,
+                     conversations=12, samples=twin.samples, routes={"via_prefill": 1})
+    src = tmp_path / "run" / "results.json"
+    src.parent.mkdir()
+    res.save(res.BenchResults(res.RESULTS_VERSION, "1P3D", [live]), src)
+
+    assert main(["bench", "resimulate", str(src), "--out", str(tmp_path / "again")]) == 0
+    (point,) = res.load(tmp_path / "again" / "results.json").points
+    assert point.sim_samples == twin.samples and point.sim_routes == twin.routes
+    assert point.samples == live.samples and point.routes == {"via_prefill": 1}  # the live side kept
+    capsys.readouterr()
+
+    assert main(["bench", "resimulate", str(tmp_path / "nothing.json"), "--out", str(tmp_path / "x")]) == 2
+    assert "nothing.json" in capsys.readouterr().err

@@ -244,13 +244,21 @@ def write(results: res.BenchResults, out_dir: Path, quiet: bool = False) -> None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{compare,run,versus}")
+    sub = parser.add_subparsers(dest="bench_command", required=True,
+                                metavar="{compare,run,versus,resimulate}")
     v = sub.add_parser("versus", help="two results files' shared points side by side (e.g. dilated "
                        "against undilated), ratios paired over the same conversations",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     v.add_argument("a", type=Path, help="results.json of the first run")
     v.add_argument("b", type=Path, help="results.json of the second run")
     v.add_argument("--labels", default="a,b", help="names of the two runs in the table, A,B")
+    r = sub.add_parser("resimulate", help="a compare run's virtual-clock twins simulated again on the "
+                       "same manifests (after the simulator changed); the live figures are kept",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r.add_argument("results", type=Path, help="results.json of a `bench compare` run on a generated workload")
+    r.add_argument("--out", type=Path, required=True, help="directory for the new results.json, results.md "
+                   "and plots")
+    r.add_argument("--seed", type=int, default=0, help="the seed the run was made with")
     for name, helptext in (("compare", "bring up each system on the simulated cluster and run the "
                             "same workload against it, side by side"),
                            ("run", "run a workload against a running OpenAI endpoint (--url)")):
@@ -307,6 +315,13 @@ def main(args: argparse.Namespace) -> int:
             if len(labels) != 2:
                 raise ValueError(f"--labels {args.labels!r}: give two names, A,B")
             print(res.versus(res.load(args.a), res.load(args.b), labels[0], labels[1]))
+            return 0
+        if args.bench_command == "resimulate":
+            results = res.load(args.results)
+            systems = sorted({p.system for p in results.points})
+            for workload in sorted({p.workload for p in results.points}):
+                results = resimulate(results, systems, workload, args.seed)
+            write(results, args.out)
             return 0
         if args.bench_command == "compare":
             parse_config(args.config)
