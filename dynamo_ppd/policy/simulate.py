@@ -29,14 +29,16 @@ def prefill_queue_tokens(view: ClusterView, worker: str) -> int:
     return load.waiting_prompt_tokens + load.prefill_tokens_remaining
 
 
-def worker_load(view: ClusterView, worker: str | None, load: LoadSnapshot | None = None) -> WorkerLoad:
+def worker_load(view: ClusterView, worker: str | None, load: LoadSnapshot | None = None,
+                own: Routed | None = None) -> WorkerLoad:
     """A worker's load as the live router sees it (`dynamo_ppd.router.router._Loads.of`): for each
     figure, its own count of what it routed there (`Routed`) or the worker's report (its engine
-    now), whichever is larger. ``load``: the worker's snapshot, if the caller has it already."""
+    now), whichever is larger. ``load``, ``own``: the worker's snapshot and `routed` counts, if
+    the caller has them already."""
     if worker is None:
         return WorkerLoad()
     load = load or view.load(worker)
-    own = routed(view, worker)
+    own = own if own is not None else routed(view, worker)
     reported_prefill = load.waiting_prompt_tokens + load.prefill_tokens_remaining
     reported_decode = load.decode_requests + load.awaiting_kv_requests
     reported_kv = load.decode_kv_tokens + load.awaiting_kv_tokens
@@ -64,12 +66,11 @@ def cluster_state(view: ClusterView, tokens: list[int], session: str | None = No
     prefill workers and the session's decode worker hold of the prompt (KV events: the router's
     residency index), each worker's load as the policy reads it (`worker_load`), and this
     router's own counts (`routed`; the simulator has one router, so they are all the traffic)."""
-    workers = [*view.prefill_workers, *view.decode_workers]
-    loads = {worker: worker_load(view, worker) for worker in workers}
+    counts = {worker: routed(view, worker) for worker in [*view.prefill_workers, *view.decode_workers]}
+    loads = {worker: worker_load(view, worker, own=own) for worker, own in counts.items()}
     holders = [*view.prefill_workers, *([session] if session is not None else [])]
     cached = {worker: view.cached_prefix_tokens(worker, tokens) for worker in holders}
-    return ClusterState(view.prefill_workers, view.decode_workers, loads,
-                        {worker: routed(view, worker) for worker in workers}, cached)
+    return ClusterState(view.prefill_workers, view.decode_workers, loads, counts, cached)
 
 
 class PolicyRouter:
