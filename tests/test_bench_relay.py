@@ -65,3 +65,14 @@ def test_the_lean_router_runs_without_both_subscriptions():
     assert (lean.load_reports, lean.residency_recovery) == (False, False)
     default = parse_args([])
     assert (default.load_reports, default.residency_recovery) == (True, True)
+
+
+def test_with_relay_pd_runs_the_router_is_also_compared_with_its_own_routes_through_a_bare_relay():
+    from dynamo_ppd.bench.relay import render
+
+    runs = [_run("ppd", 0.15, 0), _run("relay", 0.10, 0), _run("relay-pd", 0.12, 0)]
+    text = render(runs, {})
+    assert "(relay = 1)" in text and "(relay-pd = 1)" in text
+    after = text.split("(relay-pd = 1)")[1]
+    assert "| ppd | 1 | 2 | 1 | 1 | 1.25 |" in after
+    assert "(relay-pd = 1)" not in render([_run("ppd", 0.15, 0), _run("relay", 0.10, 0)], {})

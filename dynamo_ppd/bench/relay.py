@@ -2,7 +2,9 @@
 
 The same load through (a) the PPD router (`graphs/ppd.yaml`; ``ppd-lean``: the same with
 `LEAN_ROUTER_ARGS`), (b) the bare pass-through relay (`graphs/relay.yaml`,
-`router/passthrough.py`: every request decode-local, each chunk yielded unchanged) and (c)
+`router/passthrough.py`: every request decode-local, each chunk yielded unchanged; ``relay-pd``:
+the same relay sending the requests the PPD router sends for this load, turn 1 through the
+prefill worker and the follow-up decode-local, with none of its state) and (c)
 Dynamo's frontend-native PD (`graphs/pd.yaml`), each on the same simulated workers, one system at
 a time. Per system it prints the CPU time of every process per relayed token (utime + stime from
 ``/proc/<pid>/stat`` over the run, all threads: robust to other work on the machine, unlike
@@ -47,12 +49,15 @@ from .cpu import process_cpu_s, thread_cpu_s
 WORKLOAD = "syn-a-in32-out512"
 FIRST_TURN = (512, 128)  # (user tokens, max tokens)
 FOLLOW_UP = (32, 512)
-SYSTEMS = ("ppd", "ppd-lean", "relay", "pd")
+SYSTEMS = ("ppd", "ppd-lean", "relay", "relay-pd", "pd")
 # The relay process(es), by label prefix.
-RELAY_LABEL = {"ppd": "router", "ppd-lean": "router", "relay": "router", "pd": None}
+RELAY_LABEL = {"ppd": "router", "ppd-lean": "router", "relay": "router", "relay-pd": "router", "pd": None}
 # ppd-lean: the PPD router without the two subscriptions whose cost follows the workers' activity
 # rather than the tokens relayed (what each gives up: `python -m dynamo_ppd.router --help`).
 LEAN_ROUTER_ARGS = ["--no-load-reports", "--no-residency-recovery"]
+# relay-pd: the bare relay sending the PPD router's requests for this load (turn 1 through the
+# prefill worker, the follow-up decode-local on the same decode worker), without its state.
+RELAY_PD_ARGS = ["--first-turn-via-prefill"]
 
 
 def syn_a_manifest(rate: float, duration_s: float, seed: int = 0) -> Manifest:
@@ -129,7 +134,9 @@ class Run:
 
 
 def _graph(system: str, workdir: Path) -> str:
-    return ppd_graph_with_mode("ppd", workdir) if system.startswith("ppd") else system
+    if system.startswith("ppd"):
+        return ppd_graph_with_mode("ppd", workdir)
+    return "relay" if system == "relay-pd" else system
 
 
 def _up(system: str, replicas: int, workdir: Path, tag: str, worker_speedup: float = 1.0):
@@ -140,8 +147,9 @@ def _up(system: str, replicas: int, workdir: Path, tag: str, worker_speedup: flo
     # The PPD router is told too, so its rate and learned latencies stay on the workers' clock.
     sped = ("prefill", "decode", "router") if system.startswith("ppd") else ("prefill", "decode")
     args = {c: ["--speedup", f"{worker_speedup:g}"] for c in sped} if worker_speedup != 1 else {}
-    if system == "ppd-lean":
-        args["router"] = [*args.get("router", []), *LEAN_ROUTER_ARGS]
+    own = {"ppd-lean": LEAN_ROUTER_ARGS, "relay-pd": RELAY_PD_ARGS}.get(system)
+    if own:
+        args["router"] = [*args.get("router", []), *own]
     return start(ServeOptions(graph=_graph(system, workdir), http_port=free_port(), nats_port=free_port(),
                               etcd_port=free_port(), run_dir=workdir / f"{system}-{tag}", replicas=extra,
                               extra_args=args),
@@ -329,6 +337,8 @@ def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) ->
                    f"{max(r.lag_p99_ms for r in group):.0f} |")
     out += thread_breakdown(runs)
     out += paired_ratios(runs)
+    if any(r.system == "relay-pd" for r in runs):  # what the PPD router costs over its own routes
+        out += paired_ratios(runs, base="relay-pd")
     multi = [r for r in runs if r.replicas > 1 and r.per_replica_tokens]
     if multi:
         out += ["", "Per router replica (each replica's CPU over the tokens it relayed):", "",
