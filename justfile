@@ -66,3 +66,8 @@ chaos *args:
 # router replicas, TTFT at low load (see `python -m dynamo_ppd.bench.relay --help`).
 bench-relay *args:
     uv run python -m dynamo_ppd.bench.relay {{args}}
+
+# CPU the PPD router's own state costs, in process against real etcd and NATS: per conversation's
+# session work, per KV-event message (see `python -m dynamo_ppd.bench.router_state --help`).
+bench-router-state *args:
+    uv run python -m dynamo_ppd.bench.router_state {{args}}
