@@ -210,3 +210,31 @@ def test_a_follow_up_on_a_replica_that_has_not_seen_the_record_yet_is_routed_rig
                 await router.sessions.stop()
 
     asyncio.run(run())
+
+
+def test_a_healthy_etcd_is_probed_only_when_no_other_call_reached_it_lately(etcd_url):
+    """The monitor's status call (~2.5 ms of CPU each) is skipped while turns' writes succeed, and
+    made again once they stop, so an etcd that goes quiet is still checked every second or two."""
+    async def run():
+        sessions = EtcdSessions(etcd_url, prefix="probe", ttl_s=60)
+        await sessions.start()
+        probes = 0
+        status = sessions._client.status
+
+        async def counted():
+            nonlocal probes
+            probes += 1
+            return await status()
+
+        sessions._client.status = counted
+        try:
+            for turn in range(1, 16):  # 3 s of turns, one every 0.2 s
+                await sessions.save(SessionRecord("s1", decode_worker=1, turn=turn))
+                await asyncio.sleep(0.2)
+            assert probes == 0
+            await asyncio.sleep(3.5)  # no calls now: the monitor probes again
+            assert probes >= 1 and sessions.healthy
+        finally:
+            await sessions.stop()
+
+    asyncio.run(run())

@@ -57,8 +57,9 @@ FORK_SEPARATOR = "#"  # X#... : a conversation sent under X whose prompt did not
 DEFAULT_MAX_SESSIONS = 100_000
 LOAD_PAGE = 1000  # records per etcd range request on load (gRPC's 4 MiB limit broke one get)
 SAVE_WAIT_S = 0.5  # how long a turn's end waits for its etcd write before leaving it in the background
-
-
+# A healthy etcd is probed (one status call, ~2.5 ms of CPU here) only if no other call succeeded
+# this long: while turns are being recorded, their own calls show it is there.
+PROBE_AFTER_S = 1.0
 
 # A turn's write refreshes its session's lease only when this replica last granted or refreshed
 # that lease more than this share of the TTL ago (else the put alone: one etcd call, not two, for
@@ -271,6 +272,7 @@ class EtcdSessions:
         self._pending: set[asyncio.Task] = set()  # writes and deletes in the background
         self._tasks: list[asyncio.Task] = []
         self._warned = False
+        self._last_ok = 0.0  # monotonic time of the last etcd call that succeeded (watch events too)
 
     def _new_table(self) -> SessionTable:
         return SessionTable(self.block_size, self.max_sessions, on_evict=self._evicted)
@@ -331,6 +333,7 @@ class EtcdSessions:
         except Exception as exc:  # noqa: BLE001
             self._set_health(False, exc)
             return None
+        self._last_ok = time.monotonic()
         if found is None:
             return None
         try:
@@ -358,6 +361,7 @@ class EtcdSessions:
         except Exception as exc:  # noqa: BLE001
             self._sync_later(record, exc)
             return record
+        self._last_ok = time.monotonic()
         if won:
             self._leases[record.session_id] = lease.id
             self._refreshed[record.session_id] = (lease.id, time.monotonic())
@@ -373,6 +377,7 @@ class EtcdSessions:
             return
         try:
             await self._write(record)
+            self._last_ok = time.monotonic()
         except Exception as exc:  # noqa: BLE001
             self._sync_later(record, exc)
 
@@ -506,6 +511,7 @@ class EtcdSessions:
 
         try:
             async for event in await self._client.watch_prefix(self.prefix, start_revision=start_revision):
+                self._last_ok = time.monotonic()
                 session_id = event.kv.key[len(self.prefix):].decode()
                 if event.kind == aetcd.EventKind.DELETE:
                     if session_id not in self._dirty:
@@ -529,13 +535,17 @@ class EtcdSessions:
             self._set_health(False, exc)
 
     async def _monitor(self) -> None:
-        """Every second: expire idle sessions locally; while unhealthy, try to get etcd back."""
+        """Every second: expire idle sessions locally; probe a healthy etcd that no call has
+        reached for `PROBE_AFTER_S`; while unhealthy, try to get etcd back."""
         while True:
             await asyncio.sleep(1.0)
             self.table.expire(time.time(), self.ttl_s)
             if self.healthy:
+                if time.monotonic() - self._last_ok < PROBE_AFTER_S:
+                    continue
                 try:
                     await self._client.status()
+                    self._last_ok = time.monotonic()
                 except Exception as exc:  # noqa: BLE001
                     self._set_health(False, exc)
                 continue
