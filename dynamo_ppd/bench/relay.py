@@ -58,6 +58,44 @@ LEAN_ROUTER_ARGS = ["--no-load-reports", "--no-residency-recovery"]
 # relay-pd: the bare relay sending the PPD router's requests for this load (turn 1 through the
 # prefill worker, the follow-up decode-local on the same decode worker), without its state.
 RELAY_PD_ARGS = ["--first-turn-via-prefill"]
+WORKERS = ("simulated", "mocker")
+MOCKER_SYSTEMS = ("ppd", "ppd-lean", "relay")  # no P/D route to take: the mocker workers are aggregated
+# ``--workers mocker``: Dynamo's own mocker as 3 aggregated workers. Its engine runs in Rust and
+# costs the machine far less per token than the simulated TensorRT-LLM worker (a Python handler
+# per chunk), so at a high rate the relay, not the workers, runs out of CPU: the regime where
+# coalescing is meant to pay. The PPD router runs in `--mode replica` there (same relay path:
+# `dispatch.replica` -> `_stream` -> `coalesced`; sessions, residency and decisions as ever).
+MOCKER_GRAPH = """name: relay-mocker-{system}
+description: frontend -> {system} -> 3 aggregated Dynamo mocker workers (bench relay --workers mocker)
+namespace: workers
+components:
+  - name: frontend
+    command: ["{{python}}", "-m", "dynamo.frontend", "--http-port", "{{http_port}}",
+              "--namespace", "ppd", "--router-mode", "round-robin", "--migration-limit", "3"]
+    ready: {{http: "http://127.0.0.1:{{http_port}}/health", timeout_s: 60}}
+  - name: decode
+    replicas: 3
+    command: ["{{python}}", "-m", "dynamo.mocker", "--model-path", "{{model_dir}}",
+              "--model-name", "{{model_name}}", "--disaggregation-mode", "agg", "--block-size", "32",
+              "--endpoint", "dyn://workers.agg.generate"]
+    env:
+      DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS: '["generate"]'
+    ready: {{http: "http://127.0.0.1:{{system_port}}/health", timeout_s: 60}}
+  - name: router
+    command: {router}
+    env:
+      DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS: '["generate"]'
+    ready: {{http: "http://127.0.0.1:{{system_port}}/health", timeout_s: 60}}
+{metrics}"""
+MOCKER_ROUTER = {
+    "ppd": '["{python}", "-m", "dynamo_ppd.router", "--model-path", "{model_dir}", "--served-model-name", '
+           '"{model_name}", "--mode", "replica", "--replica-component", "agg", "--namespace", "ppd", '
+           '"--workers-namespace", "workers", "--etcd-url", "{etcd_url}", "--nats-url", "{nats_url}", '
+           '"--metrics-port", "{metrics_port}"]',
+    "relay": '["{python}", "-m", "dynamo_ppd.router.passthrough", "--model-path", "{model_dir}", '
+             '"--served-model-name", "{model_name}", "--namespace", "ppd", "--workers-namespace", "workers", '
+             '"--decode-component", "agg"]',
+}
 
 
 def syn_a_manifest(rate: float, duration_s: float, seed: int = 0) -> Manifest:
@@ -122,6 +160,7 @@ class Run:
     # The relay processes' CPU seconds over the run per thread name (Python's main thread
     # "python", Dynamo's Rust runtime "tokio-rt-worker", gRPC's threads): where the CPU goes.
     threads_cpu_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    workers: str = "simulated"  # the workers behind the relay (`WORKERS`)
 
     def us_per_token(self, prefix: str) -> float:
         """CPU us per relayed token of the processes whose label starts with ``prefix``."""
@@ -133,25 +172,38 @@ class Run:
         return None if label is None else self.us_per_token(label)
 
 
-def _graph(system: str, workdir: Path) -> str:
+def _graph(system: str, workdir: Path, workers: str = "simulated") -> str:
+    if workers == "mocker":
+        ppd = system.startswith("ppd")
+        path = workdir / f"relay-mocker-{system}.yaml"
+        path.write_text(MOCKER_GRAPH.format(
+            system=system, router=MOCKER_ROUTER["ppd" if ppd else system],
+            metrics='    metrics: "http://127.0.0.1:{metrics_port}/metrics"\n' if ppd else ""))
+        return str(path)
     if system.startswith("ppd"):
         return ppd_graph_with_mode("ppd", workdir)
     return "relay" if system == "relay-pd" else system
 
 
-def _up(system: str, replicas: int, workdir: Path, tag: str, worker_speedup: float = 1.0):
+def _up(system: str, replicas: int, workdir: Path, tag: str, worker_speedup: float = 1.0,
+        workers: str = "simulated"):
     """``worker_speedup`` > 1: simulated workers faster than real time (their --speedup), so tokens
     arrive faster than one relay process forwards them one by one: the relay is the bottleneck,
-    as on GPUs, instead of the workers sharing its cores."""
+    as on GPUs, instead of the workers sharing its cores. ``workers="mocker"``: Dynamo's mocker
+    instead (`MOCKER_GRAPH`; ``worker_speedup`` is its --speedup-ratio)."""
     extra = {"router": replicas} if RELAY_LABEL[system] else {}
-    # The PPD router is told too, so its rate and learned latencies stay on the workers' clock.
-    sped = ("prefill", "decode", "router") if system.startswith("ppd") else ("prefill", "decode")
-    args = {c: ["--speedup", f"{worker_speedup:g}"] for c in sped} if worker_speedup != 1 else {}
+    if workers == "mocker":
+        args = {"decode": ["--speedup-ratio", f"{worker_speedup:g}"]}
+    else:
+        # The PPD router is told too, so its rate and learned latencies stay on the workers' clock.
+        sped = ("prefill", "decode", "router") if system.startswith("ppd") else ("prefill", "decode")
+        args = {c: ["--speedup", f"{worker_speedup:g}"] for c in sped} if worker_speedup != 1 else {}
     own = {"ppd-lean": LEAN_ROUTER_ARGS, "relay-pd": RELAY_PD_ARGS}.get(system)
     if own:
         args["router"] = [*args.get("router", []), *own]
-    return start(ServeOptions(graph=_graph(system, workdir), http_port=free_port(), nats_port=free_port(),
-                              etcd_port=free_port(), run_dir=workdir / f"{system}-{tag}", replicas=extra,
+    return start(ServeOptions(graph=_graph(system, workdir, workers), http_port=free_port(),
+                              nats_port=free_port(), etcd_port=free_port(),
+                              run_dir=workdir / f"{system}-{workers}-{tag}", replicas=extra,
                               extra_args=args),
                  log=lambda _m: None)
 
@@ -162,9 +214,9 @@ def _warm_up(dep) -> None:
 
 
 def measure_load(system: str, replicas: int, rate: float, duration_s: float, workdir: Path, tag: str,
-                 seed: int = 0, worker_speedup: float = 1.0) -> Run:
+                 seed: int = 0, worker_speedup: float = 1.0, workers: str = "simulated") -> Run:
     manifest = syn_a_manifest(rate, duration_s, seed)
-    dep = _up(system, replicas, workdir, tag, worker_speedup)
+    dep = _up(system, replicas, workdir, tag, worker_speedup, workers)
     try:
         _warm_up(dep)
         tokens_before, chunks_before = _relayed(dep), _relayed(dep, "chunks")
@@ -188,7 +240,8 @@ def measure_load(system: str, replicas: int, rate: float, duration_s: float, wor
                worker_speedup, sorted({r.error or "?" for r in results if not r.ok}),
                threads_cpu_s={label: {name: cpu - threads_before.get(label, {}).get(name, 0.0)
                                       for name, cpu in threads.items()}
-                              for label, threads in threads_after.items()})
+                              for label, threads in threads_after.items()},
+               workers=workers)
 
 
 def _ttft_ms(client: httpx.Client, base_url: str, model: str, messages: list[dict], max_tokens: int,
@@ -314,6 +367,9 @@ def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) ->
     """Markdown: CPU per relayed token per process, saturation rate, replicas, low-load TTFT."""
     out = [f"Load: `{WORKLOAD}` (turn 1 512 -> 128 tokens, turn 2 +32 -> 512), Poisson arrivals. "
            "CPU us per relayed token, mean [min-max] over repeats; tokens counted from the client.", ""]
+    if any(r.workers == "mocker" for r in runs):
+        out[-1:-1] = ["Workers: Dynamo's mocker, 3 aggregated (the speedup column is its --speedup-ratio); "
+                      "the PPD router in `--mode replica`."]
     groups: dict[tuple[str, int, float, float], list[Run]] = {}
     for run in runs:
         groups.setdefault((run.system, run.replicas, run.rate, run.worker_speedup), []).append(run)
@@ -373,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-speedup", type=float, default=1.0,
                         help="the simulated workers' --speedup (e.g. 20: tokens come 20x faster than real "
                         "time, so the relay, not the workers, is the bottleneck on this machine)")
+    parser.add_argument("--workers", choices=WORKERS, default="simulated",
+                        help="the workers behind the relays: the simulated TensorRT-LLM workers (1 prefill, "
+                        "3 decode), or Dynamo's mocker (3 aggregated, Rust, far cheaper per token: the relay "
+                        f"runs out of CPU first; systems {','.join(MOCKER_SYSTEMS)} only, no TTFT)")
     parser.add_argument("--ttft-conversations", type=int, default=40,
                         help="low-load TTFT samples per system (0: skip)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
@@ -383,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not systems:
         parser.error(f"--systems: unknown {unknown[0] if unknown else '(none)'}; "
                      f"choose from {','.join(SYSTEMS)}")
+    if args.workers == "mocker" and (set(systems) - set(MOCKER_SYSTEMS) or args.ttft_conversations):
+        parser.error(f"--workers mocker: --systems from {','.join(MOCKER_SYSTEMS)} only, and "
+                     "--ttft-conversations 0 (the mocker has no P/D route to time)")
     if args.repeats < 1 or args.duration <= 0 or args.worker_speedup <= 0:
         parser.error("--repeats must be >= 1, --duration and --worker-speedup > 0")
     runs: list[Run] = []
@@ -399,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                         tag = f"{replicas}-{rate:g}-{repeat}"
                         sys.stderr.write(f"{system} x{replicas} @ {rate:g} conv/s, run {repeat + 1} ...\n")
                         run = measure_load(system, replicas, rate, args.duration, work, tag,
-                                           worker_speedup=args.worker_speedup)
+                                           worker_speedup=args.worker_speedup, workers=args.workers)
                         run.round = repeat
                         sys.stderr.write(f"  {run.tokens:,} tokens, {run.failed} failed; relay "
                                          f"{run.relay_us_per_token() or 0:.0f} us/token "
