@@ -76,3 +76,17 @@ def test_with_relay_pd_runs_the_router_is_also_compared_with_its_own_routes_thro
     after = text.split("(relay-pd = 1)")[1]
     assert "| ppd | 1 | 2 | 1 | 1 | 1.25 |" in after
     assert "(relay-pd = 1)" not in render([_run("ppd", 0.15, 0), _run("relay", 0.10, 0)], {})
+
+
+@pytest.mark.parametrize("argv, complaint", [
+    (["--systems", "relay-pd", "--router-replicas", "1,2"], "relay-pd runs one replica only"),
+    (["--systems", "ppd,relay-pd", "--workers", "mocker", "--ttft-conversations", "0"], "--workers mocker"),
+    (["--systems", "ppd", "--workers", "mocker"], "--ttft-conversations 0"),
+])
+def test_relay_benchmark_refuses_what_it_cannot_measure_with_one_line(argv, complaint, capsys):
+    from dynamo_ppd.bench.relay import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert complaint in capsys.readouterr().err

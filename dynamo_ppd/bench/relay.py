@@ -446,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers == "mocker" and (set(systems) - set(MOCKER_SYSTEMS) or args.ttft_conversations):
         parser.error(f"--workers mocker: --systems from {','.join(MOCKER_SYSTEMS)} only, and "
                      "--ttft-conversations 0 (the mocker has no P/D route to time)")
+    if "relay-pd" in systems and max(args.router_replicas) > 1:
+        parser.error("--systems relay-pd runs one replica only (it remembers each session's decode worker "
+                     "in its own process); drop it or use --router-replicas 1")
     if args.repeats < 1 or args.duration <= 0 or args.worker_speedup <= 0:
         parser.error("--repeats must be >= 1, --duration and --worker-speedup > 0")
     runs: list[Run] = []
