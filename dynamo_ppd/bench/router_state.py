@@ -15,7 +15,10 @@ conversation:
   paced one message at a time (as the workers publish them) and in bursts.
 
 CPU is this process's (``time.process_time``, every thread) less what it spends idle over the same
-wall time (the etcd client's health check once a second, the NATS client's pings).
+wall time (the etcd client's health check, the NATS client's pings). A KV-event message arriving
+"one at a time" wakes an idle loop for itself: an upper bound. In the live router the loop is awake
+for the stream anyway, and answering residency without nats-py there saved nothing measurable
+(docs/bench/relay.md, "Against the same routes").
 """
 
 from __future__ import annotations
