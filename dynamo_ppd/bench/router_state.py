@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,8 @@ from pathlib import Path
 
 import msgspec
 
-from ..launch.process import ManagedProcess, free_port
+from ..launch.launcher import wait_ready
+from ..launch.process import free_port, stop_all
 from ..launch.servers import etcd_process, nats_process
 from ..router.residency import Residency
 from ..router.sessions import EtcdSessions, SessionRecord
@@ -42,29 +42,36 @@ from ..router.sessions import EtcdSessions, SessionRecord
 SUBJECT = "ppd-bench.kv-events"
 IDLE_S = 2.0  # how long the idle CPU is measured before each part
 
-# The publisher, run as a separate process so its CPU is not counted here.
-PUBLISHER = r"""
-import asyncio, sys, time
-import msgspec, nats
 
-async def main(url, subject, messages, interval_s, burst):
+
+def kv_event_message(i: int) -> bytes:
+    """The ``i``-th message of a worker's stream in Dynamo's KV-event envelope: one `stored` of 2
+    blocks whose parent is the last block of message ``i - 1``."""
+    blocks = [{"block_hash": i * 8 + k, "tokens_hash": (i * 8 + k) * 7919} for k in range(2)]
+    parent = i * 8 - 7 if i else None  # message i - 1's last block
+    events = [{"worker_id": 11, "dp_rank": 0,
+               "event": {"event_id": i, "data": {"stored": {"parent_hash": parent, "blocks": blocks}}}}]
+    return msgspec.msgpack.encode({"publisher_id": 1, "sequence": i, "published_at": time.time_ns(),
+                                   "topic": "kv-events", "payload": msgspec.msgpack.encode(events)})
+
+
+async def publish(url: str, subject: str, messages: int, interval_s: float, burst: int) -> None:
+    """Publish ``messages`` KV-event messages, ``burst`` back to back, then a pause of ``burst`` x
+    ``interval_s``. Run in a separate process (`PUBLISHER`), so its CPU is not counted."""
+    import nats
+
     client = await nats.connect(url)
-    parent = None
     for i in range(messages):
-        blocks = [{"block_hash": i * 8 + k, "tokens_hash": (i * 8 + k) * 7919} for k in range(2)]
-        events = [{"worker_id": 11, "dp_rank": 0,
-                   "event": {"event_id": i, "data": {"stored": {"parent_hash": parent, "blocks": blocks}}}}]
-        parent = blocks[-1]["block_hash"]
-        envelope = {"publisher_id": 1, "sequence": i, "published_at": time.time_ns(), "topic": "kv-events",
-                    "payload": msgspec.msgpack.encode(events)}
-        await client.publish(subject, msgspec.msgpack.encode(envelope))
+        await client.publish(subject, kv_event_message(i))
         if (i + 1) % burst == 0:
             await asyncio.sleep(interval_s * burst)
     await client.flush()
     await client.close()
 
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])))
-"""
+
+PUBLISHER = ("import asyncio, sys; from dynamo_ppd.bench.router_state import publish; "
+             "asyncio.run(publish(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), "
+             "int(sys.argv[5])))")
 
 
 async def _idle_cpu_per_s() -> float:
@@ -137,27 +144,11 @@ async def kv_events_cost(nats_url: str, messages: int, interval_s: float, burst:
 
 def apply_cost(messages: int) -> float:
     """us of CPU per message for `Residency.apply_envelope` alone (no NATS)."""
-    residency, parent, encoded = Residency(32), None, []
-    for i in range(messages):
-        blocks = [{"block_hash": i * 8 + k, "tokens_hash": (i * 8 + k) * 7919} for k in range(2)]
-        events = [{"worker_id": 11, "dp_rank": 0,
-                   "event": {"event_id": i, "data": {"stored": {"parent_hash": parent, "blocks": blocks}}}}]
-        parent = blocks[-1]["block_hash"]
-        encoded.append(msgspec.msgpack.encode({"publisher_id": 1, "payload": msgspec.msgpack.encode(events)}))
+    residency, encoded = Residency(32), [kv_event_message(i) for i in range(messages)]
     start = time.process_time()
     for data in encoded:
         residency.apply_envelope(data)
     return (time.process_time() - start) / messages * 1e6
-
-
-def _up(process: ManagedProcess) -> ManagedProcess:
-    process.start()
-    deadline = time.monotonic() + 20
-    while not process.is_ready():
-        if time.monotonic() > deadline or process.exit_code() is not None:
-            raise RuntimeError(f"{process.label} did not start: {process.log_tail()}")
-        time.sleep(0.1)
-    return process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,9 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ppd-state-") as tmp:
         work = Path(tmp)
         etcd_port, nats_port = free_port(), free_port()
-        servers = [_up(etcd_process(etcd_port, work / "etcd", work / "etcd.log")),
-                   _up(nats_process(nats_port, work / "nats", work / "nats.log"))]
+        servers = [etcd_process(etcd_port, work / "etcd", work / "etcd.log"),
+                   nats_process(nats_port, work / "nats", work / "nats.log")]
         try:
+            for server in servers:
+                server.start()
+            wait_ready(servers, log=lambda _message: None)
             sys.stderr.write(f"sessions: {args.conversations} conversations ...\n")
             sessions = uvloop.run(sessions_cost(f"http://127.0.0.1:{etcd_port}", args.conversations))
             kv = {}
@@ -189,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 kv[label] = uvloop.run(kv_events_cost(f"nats://127.0.0.1:{nats_port}", args.messages,
                                                       args.interval_ms / 1e3, burst))
         finally:
-            for server in servers:
-                server.signal_group(signal.SIGTERM)
-                server.wait_stopped(time.monotonic() + 5)
+            stop_all(servers)
     print(f"Sessions (etcd), {args.conversations} conversations, ms of CPU per conversation:\n")
     print("| what | ms |\n|---|---|")
     for name, ms in sessions.items():

@@ -50,14 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     url = args.etcd_url
     if url is None:
+        from ..launch.launcher import wait_ready
         from ..launch.process import free_port, stop_all
         from ..launch.servers import etcd_process
 
         port, tmp = free_port(), Path(tempfile.mkdtemp(prefix="bench-sessions-"))
         proc = etcd_process(port, tmp / "data", tmp / "etcd.log")
         proc.start()
-        while not proc.is_ready():
-            time.sleep(0.1)
+        wait_ready([proc], log=lambda _message: None)
         url = f"http://127.0.0.1:{port}"
     try:
         results = asyncio.run(measure(url, args.sessions))

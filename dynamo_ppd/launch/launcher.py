@@ -210,7 +210,8 @@ def _default_run_dir(graph: Graph) -> Path:
     return Path("runs") / f"{graph.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _wait_ready(procs: list[ManagedProcess], log) -> None:
+def wait_ready(procs: list[ManagedProcess], log) -> None:
+    """Until every process passes its ready check; LaunchError naming the one that exited or timed out."""
     start = time.monotonic()
     pending = list(procs)
     while pending:
@@ -333,13 +334,13 @@ def start(opts: ServeOptions, log=print) -> Deployment:
             deployment.servers.append(make(port, Path(tmp.name), run_dir / "logs" / f"{label}.log"))
         for proc in deployment.servers:
             proc.start()
-        _wait_ready(deployment.servers, log)
+        wait_ready(deployment.servers, log)
         for batch in _component_processes(graph, graph_path.parent, deployment, model_dir):
             for proc in batch:
                 proc.start()
                 deployment.workers.append(proc)
             deployment.write_run_file("starting")
-            _wait_ready(batch, log)
+            wait_ready(batch, log)
         deadline = time.monotonic() + opts.ready_timeout_s
         while not _model_listed(deployment.base_url, deployment.model_name):
             dead = deployment.first_dead()
