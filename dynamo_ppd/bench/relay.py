@@ -40,6 +40,7 @@ import msgspec
 
 from ..argtypes import positive_floats
 from ..launch import ServeOptions, start
+from ..launch.graph import load_graph
 from ..launch.process import free_port
 from ..workloads.manifest import Manifest, ManifestConversation, ManifestHeader, ManifestTurn
 from .client import run_manifest
@@ -63,39 +64,15 @@ MOCKER_SYSTEMS = ("ppd", "ppd-lean", "relay")  # no P/D route to take: the mocke
 # ``--workers mocker``: Dynamo's own mocker as 3 aggregated workers. Its engine runs in Rust and
 # costs the machine far less per token than the simulated TensorRT-LLM worker (a Python handler
 # per chunk), so at a high rate the relay, not the workers, runs out of CPU: the regime where
-# coalescing is meant to pay. The PPD router runs in `--mode replica` there (same relay path:
+# coalescing is meant to pay. The system's own graph is used with its workers swapped
+# (`_mocker_graph`); the PPD router runs in `--mode replica` there (same relay path:
 # `dispatch.replica` -> `_stream` -> `coalesced`; sessions, residency and decisions as ever).
-MOCKER_GRAPH = """name: relay-mocker-{system}
-description: frontend -> {system} -> 3 aggregated Dynamo mocker workers (bench relay --workers mocker)
-namespace: workers
-components:
-  - name: frontend
-    command: ["{{python}}", "-m", "dynamo.frontend", "--http-port", "{{http_port}}",
-              "--namespace", "ppd", "--router-mode", "round-robin", "--migration-limit", "3"]
-    ready: {{http: "http://127.0.0.1:{{http_port}}/health", timeout_s: 60}}
-  - name: decode
-    replicas: 3
-    command: ["{{python}}", "-m", "dynamo.mocker", "--model-path", "{{model_dir}}",
-              "--model-name", "{{model_name}}", "--disaggregation-mode", "agg", "--block-size", "32",
-              "--endpoint", "dyn://workers.agg.generate"]
-    env:
-      DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS: '["generate"]'
-    ready: {{http: "http://127.0.0.1:{{system_port}}/health", timeout_s: 60}}
-  - name: router
-    command: {router}
-    env:
-      DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS: '["generate"]'
-    ready: {{http: "http://127.0.0.1:{{system_port}}/health", timeout_s: 60}}
-{metrics}"""
-MOCKER_ROUTER = {
-    "ppd": '["{python}", "-m", "dynamo_ppd.router", "--model-path", "{model_dir}", "--served-model-name", '
-           '"{model_name}", "--mode", "replica", "--replica-component", "agg", "--namespace", "ppd", '
-           '"--workers-namespace", "workers", "--etcd-url", "{etcd_url}", "--nats-url", "{nats_url}", '
-           '"--metrics-port", "{metrics_port}"]',
-    "relay": '["{python}", "-m", "dynamo_ppd.router.passthrough", "--model-path", "{model_dir}", '
-             '"--served-model-name", "{model_name}", "--namespace", "ppd", "--workers-namespace", "workers", '
-             '"--decode-component", "agg"]',
-}
+MOCKER_WORKER = ["{python}", "-m", "dynamo.mocker", "--model-path", "{model_dir}", "--model-name",
+                 "{model_name}", "--disaggregation-mode", "agg", "--block-size", "32",
+                 "--endpoint", "dyn://workers.agg.generate"]
+# What each relay is told so that it reaches them (appended: the last flag wins over its graph's).
+MOCKER_RELAY_ARGS = {"ppd": ["--mode", "replica", "--replica-component", "agg"],
+                     "relay": ["--decode-component", "agg"]}
 
 
 def syn_a_manifest(rate: float, duration_s: float, seed: int = 0) -> Manifest:
@@ -172,14 +149,24 @@ class Run:
         return None if label is None else self.us_per_token(label)
 
 
+def _mocker_graph(system: str, workdir: Path) -> str:
+    """The system's bundled graph (ppd or relay) with no prefill worker and its decode workers
+    replaced by 3 aggregated mocker workers (`MOCKER_WORKER`), written under ``workdir``."""
+    graph, _ = load_graph("ppd" if system.startswith("ppd") else "relay")
+    components = [msgspec.structs.replace(c, command=MOCKER_WORKER, replicas=3,
+                                          description="aggregated Dynamo mocker worker")
+                  if c.name == "decode" else c for c in graph.components if c.name != "prefill"]
+    path = workdir / f"relay-mocker-{system}.yaml"
+    graph = msgspec.structs.replace(graph, name=f"{graph.name}-mocker", components=components,
+                                    description=f"{graph.name}'s frontend and relay in front of 3 aggregated "
+                                    "Dynamo mocker workers (bench relay --workers mocker)")
+    path.write_bytes(msgspec.yaml.encode(graph))
+    return str(path)
+
+
 def _graph(system: str, workdir: Path, workers: str = "simulated") -> str:
     if workers == "mocker":
-        ppd = system.startswith("ppd")
-        path = workdir / f"relay-mocker-{system}.yaml"
-        path.write_text(MOCKER_GRAPH.format(
-            system=system, router=MOCKER_ROUTER["ppd" if ppd else system],
-            metrics='    metrics: "http://127.0.0.1:{metrics_port}/metrics"\n' if ppd else ""))
-        return str(path)
+        return _mocker_graph(system, workdir)
     if system.startswith("ppd"):
         return ppd_graph_with_mode("ppd", workdir)
     return "relay" if system == "relay-pd" else system
@@ -190,10 +177,11 @@ def _up(system: str, replicas: int, workdir: Path, tag: str, worker_speedup: flo
     """``worker_speedup`` > 1: simulated workers faster than real time (their --speedup), so tokens
     arrive faster than one relay process forwards them one by one: the relay is the bottleneck,
     as on GPUs, instead of the workers sharing its cores. ``workers="mocker"``: Dynamo's mocker
-    instead (`MOCKER_GRAPH`; ``worker_speedup`` is its --speedup-ratio)."""
+    instead (`_mocker_graph`; ``worker_speedup`` is its --speedup-ratio)."""
     extra = {"router": replicas} if RELAY_LABEL[system] else {}
     if workers == "mocker":
-        args = {"decode": ["--speedup-ratio", f"{worker_speedup:g}"]}
+        args = {"decode": ["--speedup-ratio", f"{worker_speedup:g}"],
+                "router": MOCKER_RELAY_ARGS["ppd" if system.startswith("ppd") else system]}
     else:
         # The PPD router is told too, so its rate and learned latencies stay on the workers' clock.
         sped = ("prefill", "decode", "router") if system.startswith("ppd") else ("prefill", "decode")
