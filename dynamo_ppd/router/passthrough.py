@@ -28,6 +28,7 @@ from typing import Any
 from .. import model as model_dir
 from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
 from ..runtime import create_runtime, run_component
+from .dispatch import prefill_leg_request, with_prefill_result
 
 log = logging.getLogger("dynamo_ppd.passthrough")
 
@@ -36,15 +37,14 @@ HOMES = 100_000  # sessions whose decode worker --first-turn-via-prefill remembe
 
 async def _prefilled(prefill, request: dict, worker: int, context) -> dict:
     """``request`` as Dynamo's frontend sends it to the decode worker after a remote prefill."""
-    stop = {**(request.get("stop_conditions") or {}), "max_tokens": 1}
     params = details = None
-    async for chunk in await prefill.direct({**request, "stop_conditions": stop}, worker, annotated=False,
+    async for chunk in await prefill.direct(prefill_leg_request(request), worker, annotated=False,
                                             context=context):
         params = chunk.get("disaggregated_params") or params
         details = (chunk.get("completion_usage") or {}).get("prompt_tokens_details") or details
     if params is None:
         raise RuntimeError(f"prefill worker {worker:x} returned no disaggregated_params")
-    return {**request, "prefill_result": {"disaggregated_params": params, "prompt_tokens_details": details}}
+    return with_prefill_result(request, params, details)
 
 
 async def serve(args: argparse.Namespace) -> None:
