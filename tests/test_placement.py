@@ -24,7 +24,7 @@ from dynamo_ppd.policy.placement import (
 from dynamo_ppd.policy.simulate import PolicyRouter, cluster_state
 from dynamo_ppd.router.args import parse_args
 from dynamo_ppd.router.metrics import RouterMetrics
-from dynamo_ppd.router.router import PpdRouter, _Turn
+from dynamo_ppd.router.router import PpdRouter, Turn
 from dynamo_ppd.router.service import build_policy
 from dynamo_ppd.sim import Cluster, SimRequestFeatures
 from dynamo_ppd.sim.cluster import ClusterRequest
@@ -153,7 +153,7 @@ def simulated_state(first: list[int]) -> tuple[Cluster, list[int]]:
 
 
 async def routed_by_router(args: list[str], first: list[int], answer: list[int], follow_up: list[int],
-                           cluster: Cluster) -> tuple[PpdRouter, _Turn]:
+                           cluster: Cluster) -> tuple[PpdRouter, Turn]:
     """The live router (in process) fed what it would know of the simulated state: the session's
     record of turn 1, the KV events of what P1 and D0 stored, its own counts of the HOT requests
     it routed to D0, and each worker's latest forward-pass metrics; then it plans turn 2."""
@@ -161,10 +161,10 @@ async def routed_by_router(args: list[str], first: list[int], answer: list[int],
     router = PpdRouter(None, config, build_policy(config), RouterMetrics(),
                        clients={"prefill": FakeClient([IDS["P0"], IDS["P1"]], "prefill"),
                                 "decode": FakeClient([IDS["D0"], IDS["D1"]], "decode")})
-    turn1 = _Turn(session_id="s", turn=1, prompt_tokens=len(first),
+    turn1 = Turn(session_id="s", turn=1, prompt_tokens=len(first),
                   local_hashes=dynamo_block_hasher()(first, 32), chained=None, prefill=IDS["P1"],
                   decode=IDS["D0"])
-    await router._record_turn(turn1, first, answer)
+    await router.record_turn(turn1, first, answer)
     hold(router, IDS["P1"], first)
     hold(router, IDS["D0"], first + answer)
     router.loads.inflight[IDS["D0"]] += HOT
@@ -174,7 +174,7 @@ async def routed_by_router(args: list[str], first: list[int], answer: list[int],
     router.rate.record(time.monotonic())  # as `generate` does before planning
     request = {"token_ids": follow_up, "stop_conditions": {"max_tokens": 128},
                "agent_context": {"session_id": "s"}}
-    return router, await router._plan(request, follow_up)
+    return router, await router.plan_turn(request, follow_up)
 
 
 @pytest.mark.parametrize("args", [["--mode", "pd"], ["--mode", "local"], ["--mode", "ppd", "--table", "none"],
@@ -248,7 +248,7 @@ def test_router_and_simulator_count_what_they_routed_alike_and_place_a_new_conve
 
     new = list(range(5000, 5040))
     router.rate.record(time.monotonic())
-    plan = asyncio.run(router._plan({"token_ids": new, "stop_conditions": {"max_tokens": 128}}, new))
+    plan = asyncio.run(router.plan_turn({"token_ids": new, "stop_conditions": {"max_tokens": 128}}, new))
     f = SimRequestFeatures(conversation_id="c", turn=1, prompt_tokens=len(new), new_tokens=len(new),
                            max_tokens=128, decode_worker=None, cached_on_decode=0, now=cluster.now,
                            token_ids=new)

@@ -210,7 +210,7 @@ def test_explain_agrees_with_the_router_decision(capsys):
     assert cached == router.residency.held_blocks(1, prefix_chain(router._hash(tokens, 32))) * 32 == 2880
     request = {"token_ids": tokens, "stop_conditions": {"max_tokens": 200},
                "agent_context": {"session_id": "s0"}}
-    plan = asyncio.run(router._plan(request, tokens))
+    plan = asyncio.run(router.plan_turn(request, tokens))
     assert plan.decision.cell is not None  # the router used the shipped 1P3D table
     session_load = router.loads.of(11)
     args = argparse.Namespace(prompt_tokens=len(tokens), new_tokens=len(tokens) - cached, output_tokens=200,

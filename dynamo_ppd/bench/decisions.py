@@ -1,7 +1,7 @@
 """Decision latency of the router, in process: `just bench-decisions`
 (`python -m dynamo_ppd.bench.decisions`).
 
-Times the router's real decision path, `PpdRouter._plan`: Dynamo's block hashing of the prompt
+Times the router's real decision path, `Routing.plan_turn`: Dynamo's block hashing of the prompt
 and its prefix ids, the session lookup (by the x-dynamo-session-id header, or by the longest
 known prefix), the residency index's answer for each worker (`router.residency`: a set lookup per
 block), the loads, and the pure `router.planner.plan` (placement and the policy), for follow-up
@@ -70,7 +70,7 @@ async def measure(router: PpdRouter, histories: list[list[int]], decisions: int,
         if with_header:
             request["agent_context"] = {"session_id": f"s{index}"}
         start = time.perf_counter_ns()
-        await router._plan(request, tokens)
+        await router.plan_turn(request, tokens)
         samples.append((time.perf_counter_ns() - start) / 1e3)
     return samples
 

@@ -31,7 +31,7 @@ def prefill_queue_tokens(view: ClusterView, worker: str) -> int:
 
 def worker_load(view: ClusterView, worker: str | None, load: LoadSnapshot | None = None,
                 own: Routed | None = None) -> WorkerLoad:
-    """A worker's load as the live router sees it (`dynamo_ppd.router.router._Loads.of`): for each
+    """A worker's load as the live router sees it (`dynamo_ppd.router.routing.Loads.of`): for each
     figure, its own count of what it routed there (`Routed`) or the worker's report (its engine
     now), whichever is larger. ``load``, ``own``: the worker's snapshot and `routed` counts, if
     the caller has them already."""
@@ -50,7 +50,7 @@ def worker_load(view: ClusterView, worker: str | None, load: LoadSnapshot | None
 
 def routed(view: ClusterView, worker: str) -> Routed:
     """What the router has routed to the worker and not seen end, counted as the live router
-    counts it (`_Loads`): the requests, and their prompts' tokens, as prefill work on a prefill
+    counts it (`routing.Loads`): the requests, and their prompts' tokens, as prefill work on a prefill
     worker (its prefill legs) and as context on a decode worker, from the moment they are routed.
     (Not the worker's KV: a decode worker's context grows as it answers, the router's count
     does not; ranking new conversations by the KV sent them to other workers than the live

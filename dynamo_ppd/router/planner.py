@@ -41,7 +41,7 @@ class NoWorkers(Exception):
 
 @dataclass(frozen=True, slots=True)
 class SessionView:
-    """The turn's conversation, as the session lookup (`PpdRouter._find_session`) found it."""
+    """The turn's conversation, as the session lookup (`Routing._find_session`) found it."""
 
     session_id: str
     turn: int  # 1-based

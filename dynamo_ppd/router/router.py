@@ -1,11 +1,11 @@
-"""The PPD router component: Dynamo I/O around the pure planner (`planner.plan`).
+"""The PPD relay router component: the shared routing state (`routing.Routing`) plus the relay.
 
-Per request: find the conversation's session (header, else longest known prefix), ask the
-residency index how much of the prompt each worker holds and read the loads, let the planner
-decide (workers and route, with the policy), dispatch (via P then D, or decode-local on D),
-stream the answer, and record the turn in the session. Workers that vanish are routed around: a
+Behind Dynamo's frontend, per request: plan the turn (`Routing.plan_turn`: session, residency,
+loads, the pure planner), dispatch it (via P then D, or decode-local on D), stream the answer
+back chunk by chunk, and record the turn in the session. Workers that vanish are routed around: a
 gone D re-homes the turn through a P to another D; a gone P makes the turn decode-local when D
-holds the prefix (`planner.rehome`).
+holds the prefix (`planner.rehome`). For deployments with no ext_proc-capable gateway; with one,
+the endpoint picker (`dynamo_ppd.picker`) wraps the same state and relays no token.
 """
 
 from __future__ import annotations
@@ -14,43 +14,21 @@ import asyncio
 import functools
 import logging
 import time
-import uuid
-from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
-from ..engine.blocks import dynamo_block_hasher, prefix_chain
+from ..engine.blocks import prefix_chain
 from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION, FORCED_ROUTE_ANNOTATION
-from ..engine.profile import load_profile
-from ..policy import placement
-from ..policy.decision import Decision, Policy, Route, WorkerLoad
-from ..policy.qps import SlidingWindowRate
-from ..policy.table import bundled_table, load_table
+from ..policy.decision import Route
 from . import dispatch, planner
-from .args import RouterConfig
-from .kv_sync import KvSync
-from .limits import RequestLimits, WorkerCards
-from .load_reports import LoadReports
-from .metrics import RouterMetrics, debug_line
 from .planner import NoWorkers
-from .rate_share import RatePublisher, SharedRate
-from .residency import Residency, kv_events_subject
-from .sessions import (
-    AUTO_PREFIX,
-    FORK_SEPARATOR,
-    EtcdSessions,
-    SessionRecord,
-    check_session_id,
-    history_hashes,
-    is_fork_of,
-)
+from .routing import Loads, Routing, Turn
+
+__all__ = ["Loads", "PpdRouter", "Turn"]
 
 log = logging.getLogger("dynamo_ppd.router")
 
 MAX_ATTEMPTS = 3  # workers tried per request: the first, then re-homes and migrations
-UNREACHABLE_S = 30.0  # a worker that failed is skipped this long (Dynamo's discovery lease TTL)
-
 
 def _cancelled(context) -> bool:
     """The client went away (Dynamo stops or kills the request's context)."""
@@ -84,129 +62,11 @@ def _as_part_of_the_original(chunk: dict, already_sent: int) -> None:
             details["cached_tokens"] = max(0, min(details["cached_tokens"], usage["prompt_tokens"]))
 
 
-class _Loads:
-    """What this router has in flight per worker (the live load it routes new conversations by)."""
+class PpdRouter(Routing):
+    """The relay router's handler (`generate`): the shared routing state (`Routing`), then it runs
+    the plan (`dispatch`), re-homes or continues the turn when a worker fails, relays the answer,
+    and records the turn."""
 
-    def __init__(self) -> None:
-        self.inflight: dict[int, int] = defaultdict(int)
-        self.prefill_tokens: dict[int, int] = defaultdict(int)
-        self.context_tokens: dict[int, int] = defaultdict(int)
-
-    def of(self, worker: int | None, report: dict | None = None) -> WorkerLoad:
-        """This router's own count, or what the worker last reported in its forward-pass metrics
-        (which include other routers' traffic), whichever is larger."""
-        if worker is None:
-            return WorkerLoad()
-        reported_decode = reported_kv = reported_prefill = 0
-        if report:
-            scheduled, queued = report.get("scheduled_requests", {}), report.get("queued_requests", {})
-            reported_decode = scheduled.get("num_decode_requests", 0) + queued.get("num_decode_requests", 0)
-            reported_kv = scheduled.get("sum_decode_kv_tokens", 0) + queued.get("sum_decode_kv_tokens", 0)
-            reported_prefill = scheduled.get("sum_prefill_tokens", 0) + queued.get("sum_prefill_tokens", 0)
-        return WorkerLoad(inflight_requests=self.inflight[worker],
-                          pending_prefill_tokens=max(self.prefill_tokens[worker], reported_prefill),
-                          decode_requests=max(self.inflight[worker], reported_decode),
-                          decode_kv_tokens=max(self.context_tokens[worker], reported_kv))
-
-    def routed(self, worker: int) -> placement.Routed:
-        """This router's own counts, which placement ranks workers by."""
-        return placement.Routed(requests=self.inflight[worker], prefill_tokens=self.prefill_tokens[worker],
-                                context_tokens=self.context_tokens[worker])
-
-
-class PpdRouter:
-    """The router component's handler (`generate`) and the state it keeps: the residency index
-    (KV events, `kv_sync`), the sessions (etcd), its own loads and the workers' load reports, the
-    request rate. Per turn it reads these into `planner`'s views, runs the plan it gets back
-    (`dispatch`), re-homes or continues the turn when a worker fails, and records the turn.
-
-    ``clients``: the Dynamo endpoint client per role ("prefill", "decode", "replica"); `start`
-    makes them from ``runtime`` (tests pass their own and never start)."""
-
-    def __init__(self, runtime, config: RouterConfig, policy: Policy, metrics: RouterMetrics,
-                 clients: dict[str, Any] | None = None):
-        self.runtime = runtime
-        self.config = config
-        self.policy = policy
-        self.metrics = metrics
-        self.residency = Residency(config.block_size)
-        self.sessions = EtcdSessions(config.etcd_url, config.session_prefix, config.session_ttl_s,
-                                     on_health=lambda up: metrics.etcd_up.set(1 if up else 0),
-                                     block_size=config.block_size, max_sessions=config.max_sessions,
-                                     on_evict=metrics.sessions_evicted.inc)
-        self.loads = _Loads()
-        self.reports = LoadReports()  # latest forward-pass metrics per worker
-        # The policy reads the rate of all router replicas together (each publishes its own).
-        self.rate = SharedRate(SlidingWindowRate(window_s=10.0))
-        self._rate_publisher = RatePublisher(self.rate, config.namespace, on_publish=metrics.set_rates)
-        self.clients: dict[str, Any] = dict(clients or {})
-        self._hash = dynamo_block_hasher()  # Dynamo's per-block token hash, as the workers' events carry
-        self._unreachable: dict[int, float] = {}  # worker -> when a request to it last failed
-        self.limits = RequestLimits()  # context window set by the service, KV capacity by cards
-        self._cards: WorkerCards | None = None
-        self._nats: Any = None
-        self.kv_sync: KvSync | None = None
-        self._table_config: str | None = None
-        self._background: set[asyncio.Task] = set()  # session writes in flight
-
-    async def start(self) -> None:
-        import nats
-        ns, cfg = self.config.workers_namespace, self.config
-        components = {"prefill": cfg.prefill_component, "decode": cfg.decode_component}
-        if cfg.replica_component:
-            components["replica"] = cfg.replica_component
-        for role, component in components.items():
-            self.clients[role] = await self.runtime.endpoint(f"{ns}.{component}.generate").client()
-
-        # Residency: live KV events, and rebuilds from the workers themselves (kv_sync).
-        kv_sync = self.kv_sync = KvSync(self.runtime, self.residency, self.metrics, ns, components,
-                                        self.clients, busy=self._serving,
-                                        silent_after_s=cfg.kv_silent_after_s,
-                                        recovery=cfg.residency_recovery)
-
-        async def nats_down() -> None:
-            self.metrics.nats_up.set(0)
-
-        async def nats_up() -> None:
-            self.metrics.nats_up.set(1)
-            kv_sync.reconnected()
-
-        self._nats = await nats.connect(cfg.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=1,
-                                        disconnected_cb=nats_down, reconnected_cb=nats_up)
-        self.metrics.nats_up.set(1)
-        await self.kv_sync.start(self._nats)
-        if not cfg.load_reports:
-            log.info("--no-load-reports: routing by this router's own counts only")
-        for component in components.values() if cfg.load_reports else ():
-            try:  # the latest report per worker, kept in Rust (`load_reports`)
-                from dynamo.llm import FpmEventSubscriber
-
-                tracker = FpmEventSubscriber(self.runtime.endpoint(f"{ns}.{component}.generate"))
-                tracker.start_tracking()
-                self.reports.track(tracker)
-            except Exception as exc:  # noqa: BLE001 (another Dynamo build: parse every report here)
-                log.info("forward-pass metrics of %s over NATS in Python (%s)", component, exc)
-                await self._nats.subscribe(kv_events_subject(ns, component, topic="forward-pass-metrics"),
-                                           cb=self.reports.on_nats_message)
-        await self.sessions.start()
-        await self._rate_publisher.start(self._nats)
-
-    def _serving(self, worker: int) -> bool:
-        """The worker is serving turns now (ours, or any router's as its load reports say)."""
-        report = self.reports.get(worker) or {}
-        scheduled = report.get("scheduled_requests") or {}
-        return self.loads.inflight.get(worker, 0) > 0 or bool(scheduled.get("num_decode_requests"))
-
-    async def stop(self) -> None:
-        if self.kv_sync is not None:
-            await self.kv_sync.stop()
-        await self._rate_publisher.stop()
-        self.reports.shutdown()
-        await self.sessions.stop()  # flushes pending session writes
-        if self._nats is not None:
-            await self._nats.close()
-
-    # -- the handler -----------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any], context=None) -> AsyncIterator[dict]:
         from dynamo.llm.exceptions import InvalidArgument, WorkerUnavailable
 
@@ -235,7 +95,7 @@ class PpdRouter:
         first_at = last_at = None
         chunks = 0
         try:
-            plan = await self._plan(request, tokens, forced)
+            plan = await self.plan_turn(request, tokens, forced)
             async for chunk in self._run(plan, request, context):
                 new = chunk.get("token_ids") or []
                 if new:
@@ -262,115 +122,8 @@ class PpdRouter:
                 and not plan.decision.reason.startswith("rehome")):  # a failure's timing says nothing
             tpot = (last_at - first_at) / (len(output) - 1) if len(output) > 1 else None
             self.policy.observe(plan.decision, first_at - started, tpot)  # online calibration
-        await self._record_turn(plan, tokens, output)
-
-    async def _plan(self, request: dict, tokens: list[int], forced: str | None = None) -> _Turn:
-        """Decide the route and workers; ``forced``: a table-building client's route. The I/O
-        around `planner.plan`: hash the prompt, find its session (etcd), read the residency index
-        and the loads into the planner's views; then count, log and claim what the plan says."""
-        started = time.perf_counter()
-        cfg = self.config
-        local_hashes = self._hash(tokens, cfg.block_size)
-        residency_chain = prefix_chain(local_hashes)
-        header_id = (request.get("agent_context") or {}).get("session_id")
-        record, session_id, turn = await self._find_session(header_id, tokens, residency_chain)
-        replica_mode = cfg.mode.value == "replica"
-        cluster = (self._cluster(residency_chain, replica=self._instances("replica")) if replica_mode else
-                   self._cluster(residency_chain, self._instances("prefill"), self._instances("decode"),
-                                 self._instances("replica")))
-        if cluster.decode:  # the policy's table for the live P:D configuration
-            self._select_table(len(cluster.prefill), len(cluster.decode))
-        stop = request.get("stop_conditions") or {}
-        decided = planner.plan(
-            self.policy, planner.SessionView(session_id, turn, record), cluster,
-            planner.TurnView(len(tokens), stop.get("max_tokens") or cfg.default_max_tokens,
-                             self.rate.rate(time.monotonic()), Route(forced) if forced else None),
-            replica_mode=replica_mode)
-        plan = _Turn(session_id=session_id, turn=turn, prompt_tokens=len(tokens), local_hashes=local_hashes,
-                     chained=residency_chain, decision=decided.decision, prefill=decided.prefill,
-                     decode=decided.decode)
-        decision = decided.decision
-        if decided.residency_miss:
-            self.metrics.residency_misses.inc()
-        if decided.rehome:
-            self.metrics.rehomes.inc()
-        if decided.moved:  # its KV comes by transfer anyway: it left the hot decode worker
-            self.metrics.session_moves.inc()
-        if decided.claim:
-            # A new session: claim it in etcd (another router replica may be placing it right now).
-            record = SessionRecord(session_id=session_id, decode_worker=plan.decode,
-                                   prefill_worker=plan.prefill, last_access=time.time())
-            if decision.route is Route.REPLICA:
-                await self.sessions.claim(record)  # no prefill leg to overlap it with
-            else:  # while the prefill runs (`_start_claim`); the decode worker is settled after it
-                plan.unclaimed = record
-                plan.decode_ids = list(cluster.decode)
-        self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        self.metrics.count_decision(decision.route.value, "first" if turn == 1 else "follow_up",
-                                    decision.reason)
-        if decided.features is not None:
-            debug_line(session=session_id, turn=turn, prompt_tokens=len(tokens),
-                       cached_on_decode=decided.features.cached_on_decode,
-                       cached_on_prefill=decided.features.cached_on_prefill, decode=plan.decode,
-                       prefill=plan.prefill,
-                       route=decision.route.value, reason=decision.reason, score=decision.score,
-                       rehome=decided.rehome, local=decision.local, via_prefill=decision.via_prefill)
-        return plan
-
-    def _cluster(self, chain: list[int], prefill: Sequence[int] = (), decode: Sequence[int] = (),
-                 replica: Sequence[int] = ()) -> planner.WorkersView:
-        """The planner's view of these workers: how much of the prompt (``chain``: its prefix ids)
-        each holds (the residency index), this router's own counts, and the loads the policy reads
-        (own counts merged with the workers' reports)."""
-        bs = self.config.block_size
-        disaggregated = [*prefill, *decode]
-        every = [*disaggregated, *replica]
-        reports = self.reports.latest(disaggregated)
-        return planner.WorkersView(
-            prefill, decode, replica,
-            cached_tokens={w: self.residency.held_blocks(w, chain) * bs for w in every},
-            loads={w: self.loads.of(w, reports[w]) for w in disaggregated},
-            routed={w: self.loads.routed(w) for w in every})
-
-    def _select_table(self, prefill_workers: int, decode_workers: int) -> None:
-        """``--table auto``: the table shipped for the profile and the live P:D configuration
-        (none: cold-start predictions), switched when workers come or go."""
-        if self.config.table != "auto" or self.policy.predictor is None:
-            return
-        config = f"{prefill_workers}P{decode_workers}D"
-        if config == self._table_config:
-            return
-        self._table_config = config
-        path = bundled_table(config)
-        table = None
-        if path.is_file():
-            table = load_table(path)
-            if table.profile != load_profile(self.config.profile).name:
-                table = None
-        self.policy.set_table(table)
-        log.info("P:D configuration %s: %s", config, f"table {path.name}" if table else
-                 "no shipped table, deciding from the engine profile's predictions")
-
-    def _instances(self, role: str) -> list[int]:
-        """The live instances of a role, less those that just failed: a SIGKILLed worker stays in
-        Dynamo's discovery until its lease expires (30 s in 1.6.1), and every turn sent there
-        meanwhile would fail its connect first (cheap on loopback, seconds to a dead pod's IP). If
-        every listed instance failed lately, all are tried again rather than none."""
-        client = self.clients.get(role)
-        if client is None:
-            return []
-        ids = client.instance_ids()
-        if not self._unreachable:
-            return ids
-        now = time.monotonic()
-        for worker, since in list(self._unreachable.items()):
-            if now - since > UNREACHABLE_S:
-                del self._unreachable[worker]
-        reachable = [w for w in ids if w not in self._unreachable]
-        return reachable or ids
-
-    # -- running a plan --------------------------------------------------------------------------
-    async def _run(self, plan: _Turn, request: dict, context) -> AsyncIterator[dict]:
+        await self.record_turn(plan, tokens, output)
+    async def _run(self, plan: Turn, request: dict, context) -> AsyncIterator[dict]:
         """Stream the answer; when a worker fails, re-home the turn, and when it fails mid-answer,
         continue the answer elsewhere (the prompt plus the tokens already sent), so the client
         sees one uninterrupted stream. Bounded: `MAX_ATTEMPTS` workers per request."""
@@ -414,7 +167,7 @@ class PpdRouter:
                 self.loads.inflight[worker] -= 1
                 self.loads.context_tokens[worker] -= plan.prompt_tokens
 
-    def _stream(self, plan: _Turn, request: dict, context) -> AsyncIterator[dict]:
+    def _stream(self, plan: Turn, request: dict, context) -> AsyncIterator[dict]:
         route = plan.decision.route
         if route is Route.REPLICA:
             return dispatch.replica(self.clients["replica"], request, plan.decode, context)
@@ -434,7 +187,7 @@ class PpdRouter:
                                             prefill, lambda: self._settle_decode(plan), context,
                                             prefill_sent=sent, prefill_done=release)
 
-    def _start_claim(self, plan: _Turn) -> None:
+    def _start_claim(self, plan: Turn) -> None:
         """Start a new session's etcd claim, once the turn's first request is with its worker.
         Started before, its Python (aetcd, gRPC) held the event loop while that request was being
         sent: the prefill worker got it ~0.9 ms later (`bench overhead`, docs/bench/relay.md)."""
@@ -442,7 +195,7 @@ class PpdRouter:
             plan.claim = asyncio.get_running_loop().create_task(self.sessions.claim(plan.unclaimed))
             plan.unclaimed = None
 
-    async def _settle_decode(self, plan: _Turn) -> int:
+    async def _settle_decode(self, plan: Turn) -> int:
         """The decode worker, once a new session's claim is settled (the first claimant wins)."""
         self._start_claim(plan)  # not started if no request got as far as a worker
         if plan.claim is not None:
@@ -451,12 +204,12 @@ class PpdRouter:
                 plan.decode = claimed.decode_worker
         return plan.decode
 
-    def _rehome(self, plan: _Turn, failed: set[int], tokens: list[int]) -> None:
+    def _rehome(self, plan: Turn, failed: set[int], tokens: list[int]) -> None:
         """After a worker failed: `planner.rehome` over the workers left (a live decode worker, the
         same one if only the prefill worker failed, and the policy's route to it for ``tokens``)."""
         self.metrics.rehomes.inc()
         replica = plan.decision.route is Route.REPLICA
-        live = {role: [w for w in self._instances(role) if w not in failed]
+        live = {role: [w for w in self.instances(role) if w not in failed]
                 for role in (("replica",) if replica else ("prefill", "decode"))}
         chain = [] if replica else prefix_chain(self._hash(tokens, self.config.block_size))
         moved = planner.rehome(
@@ -466,76 +219,3 @@ class PpdRouter:
         plan.decision, plan.prefill, plan.decode = moved.decision, moved.prefill, moved.decode
         if not replica:
             plan.prompt_tokens = len(tokens)
-
-    async def _find_session(self, header_id: str | None, tokens: list[int], chain: list[int]
-                            ) -> tuple[SessionRecord | None, str, int]:
-        """The turn's session: (its record, None for a new one; its id; the turn's number).
-
-        Without a header: the session whose whole history the prompt continues, else a new one.
-        With header X: X's record (from etcd when this replica has not seen it yet: another
-        replica may have recorded the previous turn a moment ago) when the prompt continues its
-        history; else the prompt is another conversation under X's id (a spoofed or reused id, an
-        edited or regenerated turn): a fork ``X#...`` whose history it continues, else a new fork.
-        A new fork has no record (X's is never touched, so X's owner keeps its decode worker and
-        its next turn matches) and is routed by residency, as a follow-up of whatever history the
-        decode workers hold (turn X's + 1: the number the client implied); its own record is then
-        written under the fork's id, where its next turn finds it. A header nobody has recorded
-        is a new conversation, unless etcd is away (then residency decides: see below).
-        Record None with turn > 1: route by residency."""
-        check_session_id(header_id)
-        if header_id is None:
-            record = self.sessions.find_by_prefix(chain, tokens)
-            if record is None:
-                return None, f"{AUTO_PREFIX}{uuid.uuid4().hex}", 1
-            return record, record.session_id, record.turn + 1
-        record = self.sessions.get(header_id) or await self.sessions.read_through(header_id)
-        if record is None:
-            if self.sessions.healthy:
-                return None, header_id, 1  # etcd has no such session: a new conversation
-            # etcd is away, so another replica's record of it may exist unseen: when a decode
-            # worker holds most of the prompt, this is a follow-up of the history it holds.
-            held = self._cluster(chain, decode=self._instances("decode")).cached_tokens
-            turn = planner.follow_up_turn(held, len(tokens), self.config.min_resident_fraction)
-            return None, header_id, turn
-        if self.sessions.table.continues(record, chain, tokens):
-            return record, header_id, record.turn + 1
-        self.metrics.session_forks.inc()
-        fork = self.sessions.find_by_prefix(chain, tokens, accept=lambda s: is_fork_of(s, header_id))
-        if fork is not None:
-            return fork, fork.session_id, fork.turn + 1
-        return None, f"{header_id}{FORK_SEPARATOR}{uuid.uuid4().hex[:12]}", record.turn + 1
-
-    async def _record_turn(self, plan: _Turn, prompt: list[int], output: list[int]) -> None:
-        """The turn is done: its decode worker now holds prompt + output; remember that."""
-        history = prompt + output
-        bs = self.config.block_size
-        known = len(plan.local_hashes)
-        # The history's blocks: the prompt's full blocks, then those the output completed.
-        local = plan.local_hashes + self._hash(history[known * bs:len(history) // bs * bs], bs)
-        history_hash, digest = history_hashes(prefix_chain(local), history, bs)
-        record = SessionRecord(session_id=plan.session_id, decode_worker=plan.decode,
-                               prefill_worker=plan.prefill, turn=plan.turn, context_tokens=len(history),
-                               history_hash=history_hash, history_digest=digest, last_access=time.time())
-        # In etcd before the answer's stream ends (unless etcd is slow: `commit`), so a follow-up
-        # the client sends to another router replica finds it there; this costs end-of-stream
-        # latency, not TTFT.
-        await self.sessions.commit(record)
-        self.metrics.sessions_active.set(len(self.sessions.table))
-
-
-@dataclass
-class _Turn:
-    """One turn in flight: its session, route and workers (`planner.Plan`'s to start with; a
-    re-home or a settled claim changes them), the state the streaming code reads and updates."""
-
-    session_id: str
-    turn: int
-    prompt_tokens: int
-    local_hashes: list[int]  # Dynamo's per-block token hashes of the prompt
-    chained: list[int] | None  # prefix ids (`blocks.prefix_chain`) of the prompt's full blocks
-    decision: Decision = Decision(Route.VIA_PREFILL, "undecided")
-    prefill: int | None = None
-    decode: int = 0  # the decode (or aggregated) worker
-    unclaimed: SessionRecord | None = None  # a new session to claim once a request is sent
-    claim: asyncio.Task | None = None  # that claim, under way; settled before decode
-    decode_ids: list[int] = field(default_factory=list)
