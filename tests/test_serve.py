@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dynamo_ppd.launch.process import ManagedProcess, free_port, stop_all
+from dynamo_ppd.launch.process import ManagedProcess, ReadySpec, free_port, stop_all
 from dynamo_ppd.launch.servers import etcd_process, live_dynamo_keys
 
 pytestmark = pytest.mark.e2e
@@ -197,3 +197,24 @@ def test_cond_disagg_bypasses_prefill_and_charges_the_append(serve_run):
     charged = sum(_prefill_tokens_charged(record, label) for label in decode_labels)
     assert charged == usage["prompt_tokens"] - cached  # only the append was computed
     assert run.stop() == 0
+
+
+@pytest.mark.e2e
+def test_a_restarted_process_is_ready_by_its_own_log_line_not_the_last_runs(tmp_path):
+    """The log is appended across restarts: a log-ready process started again is ready only once
+    this start has printed the line (the picker's restart test read the old one and raced)."""
+    script = "import sys, time; time.sleep(float(sys.argv[1])); print('up now', flush=True); time.sleep(60)"
+    proc = ManagedProcess("late", [sys.executable, "-c", script, "0"], env=dict(os.environ),
+                          log_path=tmp_path / "late.log", ready=ReadySpec(log="up now"), stop_timeout_s=5)
+    proc.start()
+    deadline = time.monotonic() + 20
+    while not proc.is_ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.is_ready()
+    stop_all([proc])
+    proc.argv[-1] = "3"  # the next start prints its line only after 3 s
+    proc.start()
+    try:
+        assert not proc.is_ready()
+    finally:
+        stop_all([proc])

@@ -34,10 +34,14 @@ class ManagedProcess:
     stop_timeout_s: float = 10.0
     popen: subprocess.Popen | None = None
     started_at: float | None = None  # time.monotonic() of the latest start
+    # Where the latest start's output begins in the log (appended across restarts): a log-ready
+    # process is ready once this start has printed its line, not an earlier run.
+    log_offset: int = 0
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.started_at = time.monotonic()
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             # start_new_session: Ctrl-C in the terminal reaches only the launcher, which then stops
             # the children in order; and the child's pid is its process-group id for killpg.
@@ -59,7 +63,7 @@ class ManagedProcess:
             return False
         if spec.http and not _http_ok(spec.http):
             return False
-        if spec.log and not _log_matches(self.log_path, spec.log):
+        if spec.log and not _log_matches(self.log_path, spec.log, self.log_offset):
             return False
         return True
 
@@ -171,9 +175,11 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def _log_matches(path: Path, pattern: str) -> bool:
+def _log_matches(path: Path, pattern: str, offset: int = 0) -> bool:
     try:
-        text = path.read_text(errors="replace")
+        with open(path, "rb") as log:
+            log.seek(offset)
+            text = log.read().decode(errors="replace")
     except OSError:
         return False
     return re.search(pattern, _strip_ansi(text), re.MULTILINE) is not None
