@@ -45,6 +45,8 @@ LAYERS = {
     "dynamo_ppd.model": ADAPTER,
     "dynamo_ppd.worker": ADAPTER,
     "dynamo_ppd.router": ADAPTER,
+    "dynamo_ppd.picker": ADAPTER,
+    "dynamo_ppd.gateway": ADAPTER,
     "dynamo_ppd.launch": ADAPTER,
     "dynamo_ppd.bench": EXPERIMENT,
     "dynamo_ppd.chaos": EXPERIMENT,

@@ -1,0 +1,289 @@
+"""The gateway's ext_proc client: it plays Envoy's ext_proc HTTP filter
+(envoy.filters.http.ext_proc, source/extensions/filters/http/ext_proc/ext_proc.cc) toward an
+endpoint picker, configured as the Gateway API Inference Extension configures it: processing
+mode request_header_mode SEND, request_body_mode FULL_DUPLEX_STREAMED (or BUFFERED),
+request_trailer_mode SEND, response_header_mode SKIP, response_body_mode NONE.
+
+Per request, one `Process` stream:
+
+1. ``request_headers``: HttpHeaders with the header map (values in ``raw_value``, pseudo-headers
+   included) and ``end_of_stream`` true only when no body follows; the first message carries
+   ``protocol_config`` (the body modes), as `Filter::encodeProtocolConfig` does.
+2. The body as ``request_body`` HttpBody messages, ``end_of_stream`` on the last. FULL_DUPLEX:
+   sent right behind the headers without waiting (Envoy streams it as it arrives; here in 64 KiB
+   chunks). BUFFERED: one message, sent only once the headers were answered, because Envoy holds
+   the body while "header processing still in progress" (`Filter::onData`). A request without
+   trailers sends no ``request_trailers`` message, as with Envoy over HTTP/1.1.
+3. The answers: a ``request_headers`` HeadersResponse (header mutation; ``clear_route_cache``
+   means nothing here: there is no route cache) and ``request_body`` BodyResponses. In full
+   duplex GAIE's EPP answers only after the whole body (`pkg/epp/handlers/server.go`:
+   headers response, then a streamed body response), the body coming back as
+   ``streamed_response`` pieces up to ``end_of_stream``; in buffered mode a ``body`` replacement,
+   ``clear_body``, or no mutation (the body stays). ``dynamic_metadata`` on any answer is merged.
+   An ``immediate_response`` at any point ends the exchange: it is the client's answer.
+
+Each awaited answer has ``--picker-timeout-ms`` (Envoy's ``message_timeout``). A gRPC error, a
+timeout, or a stream that ends early raise `PickerError`; `PickerPool` then tries the next
+replica and in the end fails open (GAIE's ``failureMode: FailOpen``). Note that Envoy itself does
+not fail open in FULL_DUPLEX_STREAMED once body data went out (`Filter::failureModeAllow`); this
+gateway does, as the Inference Extension's FailOpen setting promises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+
+from .headers import apply_header_mutation, merge_metadata, to_header_map
+from .http import Headers
+
+log = logging.getLogger("dynamo_ppd.gateway")
+
+Mode = processing_mode_pb2.ProcessingMode
+BODY_MODES = {"full-duplex": Mode.FULL_DUPLEX_STREAMED, "buffered": Mode.BUFFERED}
+BODY_CHUNK = 64 << 10
+# A restarted picker must be reachable again within a second, not after gRPC's default
+# reconnect backoff (up to two minutes).
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+CLOSE_GRACE_S = 5.0  # how long a finished stream may take to close before it is cancelled
+
+
+class PickerError(Exception):
+    """The picker did not answer usably (unreachable, gRPC error, timeout, stream ended)."""
+
+
+@dataclass
+class Immediate:
+    """A picker's ImmediateResponse: the client's answer, nothing is forwarded."""
+
+    status: int
+    headers: Headers
+    body: bytes
+    details: str = ""
+
+
+@dataclass
+class CalloutResult:
+    headers: Headers  # after the picker's mutations
+    body: bytes  # after the picker's body mutation (the original when it made none)
+    metadata: dict[str, Any] = field(default_factory=dict)  # dynamic metadata, by namespace
+    immediate: Immediate | None = None
+    seconds: float = 0.0  # first message sent -> last answer needed before forwarding
+    picker: str = ""
+
+
+def processing_mode(body_mode: str) -> processing_mode_pb2.ProcessingMode:
+    """The filter's ProcessingMode as the Inference Extension sets it (for reference and tests;
+    the stream itself only carries the body modes, in protocol_config)."""
+    return Mode(request_header_mode=Mode.SEND, response_header_mode=Mode.SKIP,
+                request_body_mode=BODY_MODES[body_mode], response_body_mode=Mode.NONE,
+                request_trailer_mode=Mode.SEND, response_trailer_mode=Mode.SKIP)
+
+
+def request_messages(headers: Headers, body: bytes, body_mode: str,
+                     chunk: int = BODY_CHUNK) -> list[pb.ProcessingRequest]:
+    """What Envoy's filter sends for this request, in order (see the module doc)."""
+    mode = BODY_MODES[body_mode]
+    first = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=to_header_map(headers), end_of_stream=not body),
+        protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=Mode.NONE))
+    if not body:
+        return [first]
+    size = chunk if mode == Mode.FULL_DUPLEX_STREAMED else len(body)
+    pieces = [body[i:i + size] for i in range(0, len(body), size)]
+    last = len(pieces) - 1
+    return [first, *(pb.ProcessingRequest(request_body=pb.HttpBody(body=p, end_of_stream=i == last))
+                     for i, p in enumerate(pieces))]
+
+
+def immediate_from(response: pb.ImmediateResponse) -> Immediate:
+    """An ImmediateResponse as the client's answer. Envoy answers 200 when no status is set and
+    500 for a code below 200 (`MutationUtils::isValidHttpStatus`)."""
+    code = response.status.code if response.HasField("status") else 200
+    if not 200 <= code <= 599:
+        code = 500
+    headers = apply_header_mutation([], response.headers)
+    return Immediate(code, headers, bytes(response.body), response.details)
+
+
+class _Exchange:
+    """The answers of one stream, applied as they come (see the module doc, step 3)."""
+
+    def __init__(self, headers: Headers, body: bytes):
+        self.result = CalloutResult(headers=list(headers), body=body)
+        self.streamed: list[bytes] | None = None
+        self.headers_done = False
+        self.body_done = False
+
+    def _mutate_body(self, mutation: pb.BodyMutation) -> bool:
+        """Apply a body mutation; True once the body is final."""
+        kind = mutation.WhichOneof("mutation")
+        if kind == "streamed_response":
+            self.streamed = (self.streamed or []) + [mutation.streamed_response.body]
+            if not mutation.streamed_response.end_of_stream:
+                return False
+            self.result.body = b"".join(self.streamed)
+        elif kind == "body":
+            self.result.body = mutation.body
+        elif kind == "clear_body" and mutation.clear_body:
+            self.result.body = b""
+        return True
+
+    def take(self, response: pb.ProcessingResponse) -> None:
+        if response.HasField("dynamic_metadata"):
+            merge_metadata(self.result.metadata, response.dynamic_metadata)
+        kind = response.WhichOneof("response")
+        if kind == "immediate_response":
+            self.result.immediate = immediate_from(response.immediate_response)
+        elif kind in ("request_headers", "request_body"):
+            common = getattr(response, kind).response
+            if common.HasField("header_mutation"):
+                self.result.headers = apply_header_mutation(self.result.headers, common.header_mutation)
+            if kind == "request_headers":
+                self.headers_done = True
+                if common.status == pb.CommonResponse.CONTINUE_AND_REPLACE:
+                    # The headers answer replaces the body; no body answer follows.
+                    self.body_done = self._mutate_body(common.body_mutation)
+            elif common.HasField("body_mutation"):
+                self.body_done = self._mutate_body(common.body_mutation)
+            else:
+                self.body_done = True  # no mutation: the original body goes on
+        # request_trailers answers and response-path answers change nothing here.
+
+
+async def _answers(call: Any, exchange: _Exchange, until: Callable[[], bool], timeout_s: float) -> None:
+    while exchange.result.immediate is None and not until():
+        try:
+            response = await asyncio.wait_for(call.read(), timeout_s)
+        except asyncio.TimeoutError:
+            raise PickerError(f"no answer within {timeout_s * 1000:g} ms") from None
+        if response is grpc.aio.EOF:
+            raise PickerError("the picker closed the stream before answering")
+        exchange.take(response)
+
+
+async def _write_all(call: Any, messages: Sequence[pb.ProcessingRequest]) -> None:
+    for message in messages:
+        await call.write(message)
+
+
+async def process(stub: external_processor_pb2_grpc.ExternalProcessorStub, headers: Headers, body: bytes,
+                  body_mode: str, timeout_s: float, closing: set[asyncio.Task] | None = None
+                  ) -> CalloutResult:
+    """One ext_proc exchange for one request (module doc); raises PickerError."""
+    messages = request_messages(headers, body, body_mode)
+    exchange = _Exchange(headers, body)
+    call = stub.Process()
+    writer: asyncio.Task | None = None
+    done = False
+    started = time.perf_counter()
+    try:
+        if BODY_MODES[body_mode] == Mode.FULL_DUPLEX_STREAMED or not body:
+            # The writer runs beside the reader: an immediate answer may come before the body is out.
+            writer = asyncio.ensure_future(_write_all(call, messages))
+            await _answers(call, exchange, lambda: exchange.headers_done and (exchange.body_done or not body),
+                           timeout_s)
+        else:
+            await call.write(messages[0])
+            await _answers(call, exchange, lambda: exchange.headers_done, timeout_s)
+            if exchange.result.immediate is None and not exchange.body_done:
+                await call.write(messages[1])
+                await _answers(call, exchange, lambda: exchange.body_done, timeout_s)
+        exchange.result.seconds = time.perf_counter() - started
+        done = exchange.result.immediate is None and (writer is None or writer.done())
+        return exchange.result
+    except grpc.aio.AioRpcError as exc:
+        raise PickerError(f"gRPC {exc.code().name}: {exc.details()}") from None
+    except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+        raise PickerError(f"stream error: {exc}") from None
+    finally:
+        if writer is not None and not writer.done():
+            writer.cancel()
+        if writer is not None:
+            await asyncio.gather(writer, return_exceptions=True)
+        if done and closing is not None:
+            # Half-close as Envoy does when processing is over, and let the picker end the
+            # stream in its own time; cancel it if it does not.
+            task = asyncio.ensure_future(_close(call))
+            closing.add(task)
+            task.add_done_callback(closing.discard)
+        else:
+            call.cancel()
+
+
+async def _close(call: Any) -> None:
+    try:
+        await call.done_writing()
+        await asyncio.wait_for(call.code(), CLOSE_GRACE_S)
+    except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+        pass
+    finally:
+        call.cancel()
+
+
+class PickerPool:
+    """The picker replicas: each request starts at the next one in round-robin order and goes on
+    to the others when one fails; a failed replica is left out for ``retry_after_s`` (so one that
+    is down costs one timeout per period, and a restarted one is used again after it). None
+    answering: `callout` returns None and the caller fails open."""
+
+    def __init__(self, addresses: Sequence[str], body_mode: str, timeout_s: float, retry_after_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.addresses = list(addresses)
+        self.body_mode = body_mode
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self.clock = clock
+        self._next = 0
+        self._down_until: dict[str, float] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, external_processor_pb2_grpc.ExternalProcessorStub] = {}
+        self._closing: set[asyncio.Task] = set()
+
+    def _stub(self, address: str) -> external_processor_pb2_grpc.ExternalProcessorStub:
+        # Created on first use, inside the running loop (grpc.aio channels belong to one loop).
+        if address not in self._stubs:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = channel
+            self._stubs[address] = external_processor_pb2_grpc.ExternalProcessorStub(channel)
+        return self._stubs[address]
+
+    def order(self) -> list[str]:
+        """The replicas to try for the next request: round-robin start, those down left out."""
+        start = self._next
+        self._next = (start + 1) % len(self.addresses)
+        now = self.clock()
+        rotated = self.addresses[start:] + self.addresses[:start]
+        return [a for a in rotated if self._down_until.get(a, 0.0) <= now]
+
+    async def callout(self, headers: Headers, body: bytes) -> CalloutResult | None:
+        for address in self.order():
+            try:
+                result = await process(self._stub(address), headers, body, self.body_mode, self.timeout_s,
+                                       self._closing)
+            except PickerError as exc:
+                log.warning("picker %s failed (%s): left out for %g s", address, exc, self.retry_after_s)
+                self._down_until[address] = self.clock() + self.retry_after_s
+                continue
+            result.picker = address
+            return result
+        return None
+
+    async def close(self) -> None:
+        for task in list(self._closing):
+            task.cancel()
+        await asyncio.gather(*self._closing, return_exceptions=True)
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()

@@ -1,0 +1,137 @@
+"""Forwarding to the upstream: HTTP/1.1 keep-alive connections pooled per endpoint (``ip:port``),
+one request at a time on each, and the response relayed to the client as it arrives (`http`).
+
+A pooled connection the upstream closed while idle shows up only when it is used; a request that
+fails on a reused connection before any response byte came back is sent once more on a fresh
+connection (what a client cannot tell from a connection that was new). An upstream that cannot be
+reached, or fails before answering, gets the client a 502 with an OpenAI-style JSON error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .args import parse_endpoint
+from .http import (
+    MAX_HEAD_BYTES,
+    Headers,
+    client_response_head,
+    encode_request,
+    read_response_head,
+    relay_body,
+    simple_response,
+)
+
+log = logging.getLogger("dynamo_ppd.gateway")
+
+
+@dataclass
+class Connection:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+    @property
+    def usable(self) -> bool:
+        return not self.reader.at_eof() and not self.writer.is_closing()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def bad_gateway(message: str, close: bool) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "bad_gateway", "code": 502}}).encode()
+    return simple_response(502, [("content-type", "application/json")], body, close)
+
+
+class UpstreamPool:
+    def __init__(self, connect_timeout_s: float = 5.0, max_idle: int = 256):
+        self.connect_timeout_s = connect_timeout_s
+        self.max_idle = max_idle
+        self._idle: dict[str, list[Connection]] = defaultdict(list)
+
+    def _take_idle(self, endpoint: str) -> Connection | None:
+        idle = self._idle[endpoint]
+        while idle:
+            conn = idle.pop()  # most recently used first: the least likely to have timed out
+            if conn.usable:
+                return conn
+            conn.close()
+        return None
+
+    def _give_back(self, endpoint: str, conn: Connection) -> None:
+        if conn.usable and len(self._idle[endpoint]) < self.max_idle:
+            self._idle[endpoint].append(conn)
+        else:
+            conn.close()
+
+    async def _connect(self, endpoint: str) -> Connection:
+        host, port = parse_endpoint(endpoint)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=MAX_HEAD_BYTES),
+                                                self.connect_timeout_s)
+        return Connection(reader, writer)
+
+    async def forward(self, endpoint: str, method: str, target: str, headers: Headers, body: bytes,
+                      client: asyncio.StreamWriter, close_client: bool) -> tuple[str, bool]:
+        """Send the request to ``endpoint`` and relay its response to ``client``. Returns the
+        outcome (``ok``, ``bad_gateway``, ``client_gone``) and whether the client connection stays
+        open."""
+        payload = encode_request(method, target, headers, body)
+        while True:
+            conn = self._take_idle(endpoint)
+            reused = conn is not None
+            if conn is None:
+                try:
+                    conn = await self._connect(endpoint)
+                except (OSError, ValueError, asyncio.TimeoutError) as exc:
+                    reason = f"upstream {endpoint} unreachable: {str(exc) or type(exc).__name__}"
+                    return await self._fail(client, reason, close_client)
+            try:
+                conn.writer.write(payload)
+                await conn.writer.drain()
+                head = await read_response_head(conn.reader)
+                break
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+                conn.close()
+                if reused:
+                    continue  # the idle connection was dead: the upstream never saw the request
+                reason = str(exc) or type(exc).__name__
+                return await self._fail(client, f"upstream {endpoint} failed: {reason}", close_client)
+
+        framing = head.body_framing(method)
+        keep_client = not close_client and framing != "close"
+        try:
+            client.write(client_response_head(head, close=not keep_client))
+            await client.drain()
+            await relay_body(framing, head, conn.reader, client)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            conn.close()
+            if client.is_closing():
+                return "client_gone", False
+            log.warning("upstream %s broke off its answer: %s", endpoint, str(exc) or type(exc).__name__)
+            return "bad_gateway", False  # the answer is cut: closing tells the client so
+        except asyncio.CancelledError:
+            conn.close()
+            raise
+        if head.close or framing == "close":
+            conn.close()
+        else:
+            self._give_back(endpoint, conn)
+        return "ok", keep_client
+
+    async def _fail(self, client: asyncio.StreamWriter, message: str, close_client: bool) -> tuple[str, bool]:
+        log.warning("%s", message)
+        try:
+            client.write(bad_gateway(message, close_client))
+            await client.drain()
+        except OSError:
+            return "client_gone", False
+        return "bad_gateway", not close_client
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
