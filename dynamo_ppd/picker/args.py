@@ -1,0 +1,65 @@
+"""Command line of the endpoint picker (`python -m dynamo_ppd.picker`): the relay router's
+routing flags (mode, weights, table, sessions, residency: one planner, two shells) plus where the
+picker serves ext_proc and which Dynamo frontends it names as destinations."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from ..router.args import RouterConfig, build_parser, config_from
+
+
+@dataclass(frozen=True)
+class PickerConfig:
+    grpc_host: str
+    grpc_port: int  # Envoy ext_proc (and gRPC health, unless health_port is set)
+    health_port: int  # 0: health on grpc_port only
+    frontends: tuple[str, ...]  # Dynamo frontends, ip:port, named in x-gateway-destination-endpoint
+
+
+def _endpoint_list(text: str) -> tuple[str, ...]:
+    endpoints = tuple(e.strip() for e in text.split(",") if e.strip())
+    for endpoint in endpoints:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise argparse.ArgumentTypeError(f"{endpoint!r} is not ip:port (e.g. 127.0.0.1:8000)")
+    if not endpoints:
+        raise argparse.ArgumentTypeError("give at least one frontend as ip:port")
+    return endpoints
+
+
+def build_picker_parser() -> argparse.ArgumentParser:
+    p = build_parser()
+    p.prog = "python -m dynamo_ppd.picker"
+    p.description = ("PPD endpoint picker: an Envoy ext_proc server (the Gateway API Inference "
+                     "Extension's endpoint-picker protocol) in front of Dynamo's OpenAI frontend. "
+                     "Per request it tokenizes the prompt, plans the turn as the PPD router does "
+                     "and answers with the headers that pin the frontend's route; it relays no "
+                     "token.")
+    # Behind the picker the workers are the frontend's own (Dynamo's default namespace).
+    p.set_defaults(namespace="dynamo", workers_namespace="dynamo")
+    g = p.add_argument_group("endpoint picker")
+    g.add_argument("--grpc-host", default="127.0.0.1",
+                   help="address the ext_proc gRPC server binds (0.0.0.0 in a pod)")
+    g.add_argument("--grpc-port", type=int, default=9002,
+                   help="ext_proc gRPC port (GAIE's default 9002); gRPC health is served here too")
+    g.add_argument("--health-port", type=int, default=0,
+                   help="also serve gRPC health on this port (GAIE's default 9003; 0: off)")
+    g.add_argument("--frontend", type=_endpoint_list, default=("127.0.0.1:8000",),
+                   help="Dynamo frontend(s), ip:port[,ip:port...], named as the request's "
+                   "destination (round robin)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, PickerConfig]:
+    parser = build_picker_parser()
+    a = parser.parse_args(argv)
+    for name in ("grpc_port", "health_port"):
+        port = getattr(a, name)
+        if not 0 <= port < 65536 or (name == "grpc_port" and port == 0):
+            parser.error(f"--{name.replace('_', '-')} {port} is not a port (1-65535)")
+    if a.mode == "replica" or a.replica_component:
+        parser.error("the picker routes P/D deployments; aggregated workers (replica mode) are "
+                     "served by Dynamo's own KV router with no picker")
+    return config_from(parser, a), PickerConfig(a.grpc_host, a.grpc_port, a.health_port, a.frontend)

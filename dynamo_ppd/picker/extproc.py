@@ -1,0 +1,154 @@
+"""The picker's Envoy ext_proc service, as the Gateway API Inference Extension's endpoint picker
+protocol (v1.0, `docs/proposals/004-endpoint-picker-protocol` of
+kubernetes-sigs/gateway-api-inference-extension) defines it and its EPP implements it
+(`pkg/epp/handlers/server.go`, `request.go`).
+
+Per HTTP request the gateway opens one `Process` stream and sends the request headers, then the
+body (FULL_DUPLEX_STREAMED: in chunks, the last with end_of_stream; BUFFERED: one message). The
+picker answers only once the whole body is in, in the order the protocol requires: first the
+headers response (the header mutation carrying the route, ``x-gateway-destination-endpoint``
+naming the frontend, ``Content-Length`` when the body changed, and the same endpoint in the
+``envoy.lb`` dynamic metadata), then the body (a streamed body response in full-duplex mode, as
+GAIE's EPP sends it; a body mutation, or none, in buffered mode). A request that must not be
+forwarded gets an ImmediateResponse (400, 503) with an OpenAI-style error body. Response headers
+and bodies, if the gateway sends them, pass unchanged. A request with no body (a GET) goes to a
+frontend unrouted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from .metrics import PickerMetrics
+from .picker import Picker, Refusal
+
+log = logging.getLogger("dynamo_ppd.picker")
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+DESTINATION_NAMESPACE = "envoy.lb"
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+def _header_value(header: base_pb2.HeaderValue) -> str:
+    return header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+
+
+def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
+    """A header set with overwrite semantics (``append`` false: every existing value is replaced)."""
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def headers_response(endpoint: str, set_headers: dict[str, str], remove: tuple[str, ...] = (),
+                     body_length: int | None = None) -> pb.ProcessingResponse:
+    """The request-headers reply: the route's headers and the destination, header and metadata."""
+    options = [_set(DESTINATION_HEADER, endpoint), *(_set(k, v) for k, v in set_headers.items())]
+    if body_length is not None:  # the body changed: Envoy needs its new length (GAIE does this)
+        options.append(_set("content-length", str(body_length)))
+    metadata = struct_pb2.Struct()
+    metadata.update({DESTINATION_NAMESPACE: {DESTINATION_HEADER: endpoint}})
+    return pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+            clear_route_cache=True,
+            header_mutation=pb.HeaderMutation(set_headers=options, remove_headers=list(remove)))),
+        dynamic_metadata=metadata)
+
+
+def body_response(body: bytes | None, full_duplex: bool) -> pb.ProcessingResponse:
+    """The request-body reply: the body streamed back (full duplex), or mutated (buffered)."""
+    if full_duplex:
+        mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=body or b"",
+                                                                               end_of_stream=True))
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(
+            response=pb.CommonResponse(body_mutation=mutation)))
+    common = pb.CommonResponse(body_mutation=pb.BodyMutation(body=body)) if body is not None else \
+        pb.CommonResponse()
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+
+def immediate_response(refusal: Refusal) -> pb.ProcessingResponse:
+    content_type = base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=refusal.status),  # type: ignore[arg-type]
+        headers=pb.HeaderMutation(set_headers=[content_type]),
+        body=refusal.body(), details=f"ppd_picker_{refusal.kind}"))
+
+
+class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
+    """`Process`: one stream per HTTP request (see the module docstring)."""
+
+    def __init__(self, picker: Picker, metrics: PickerMetrics):
+        self.picker = picker
+        self.metrics = metrics
+
+    async def Process(self, request_iterator, context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
+        headers: dict[str, str] = {}
+        body = bytearray()
+        full_duplex = True  # GAIE's gateways stream; Envoy says which mode in protocol_config
+        async for message in request_iterator:
+            kind = message.WhichOneof("request")
+            if message.HasField("protocol_config"):
+                full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
+            if kind == "request_headers":
+                headers = {h.key.lower(): _header_value(h) for h in message.request_headers.headers.headers}
+                if message.request_headers.end_of_stream:  # no body: nothing to route by
+                    yield headers_response(self.picker.frontend(), {})
+                elif not full_duplex:  # Envoy sends a buffered body only after this answer
+                    yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+            elif kind == "request_body":
+                body += message.request_body.body
+                if message.request_body.end_of_stream:
+                    async for reply in self._route(headers, bytes(body), full_duplex):
+                        yield reply
+                    body.clear()
+            elif kind == "request_trailers":
+                yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+            elif kind == "response_headers":
+                yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+            elif kind == "response_body":  # passed through unchanged, as GAIE's EPP does
+                chunk = message.response_body
+                mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                    body=chunk.body, end_of_stream=chunk.end_of_stream)) if full_duplex else None
+                yield pb.ProcessingResponse(response_body=pb.BodyResponse(
+                    response=pb.CommonResponse(body_mutation=mutation)))
+            elif kind == "response_trailers":
+                yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+    async def _route(self, headers: dict[str, str], body: bytes, full_duplex: bool
+                     ) -> AsyncIterator[pb.ProcessingResponse]:
+        started = time.perf_counter()
+        outcome = "routed"
+        try:
+            picked = await self.picker.pick(headers, body, headers.get(":path", "/v1/chat/completions"))
+        except Refusal as refusal:
+            outcome = f"refused_{refusal.status}"
+            log.info("HTTP %d: %s", refusal.status, refusal)
+            yield immediate_response(refusal)
+            return
+        finally:
+            self.metrics.observe(outcome, time.perf_counter() - started)
+        length = len(picked.body) if picked.body is not None else None
+        routed = headers_response(picked.endpoint, picked.set_headers, picked.remove_headers, length)
+        if full_duplex:
+            yield routed
+            yield body_response(picked.body if picked.body is not None else body, True)
+            return
+        # Buffered: the headers were answered already, so the route's header mutation and the
+        # destination metadata ride on the body's answer (Envoy applies both there).
+        reply = body_response(picked.body, False)
+        reply.request_body.response.header_mutation.CopyFrom(
+            routed.request_headers.response.header_mutation)
+        reply.request_body.response.clear_route_cache = True
+        reply.dynamic_metadata.CopyFrom(routed.dynamic_metadata)
+        yield reply

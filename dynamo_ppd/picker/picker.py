@@ -1,0 +1,164 @@
+"""The endpoint picker's per-request work: an OpenAI request in, its route as headers out.
+
+`Picker.pick` parses the body, tokenizes it as Dynamo's frontend will (`prompt.PromptTokenizer`),
+checks the limits, plans the turn with the relay router's own state and planner
+(`router.routing.Routing.plan_turn`: session, residency, loads, the policy), records the turn in
+its session, and answers with the frontend to send the request to and the headers that carry the
+route (`route.route_headers`). It never sees the answer: the next turn finds the history by the
+decode worker's KV events (TensorRT-LLM stores a finished sequence's blocks) and the prompt,
+which repeats the answer.
+
+The loads this picker adds (``Routing.loads``, which placement ranks workers by, merged with the
+workers' forward-pass reports) are charged when a turn is routed and released when the turn is
+predicted to have ended (the decision's predicted TTFT + TPOT x expected output, on the wall
+clock), since no end of stream reaches the picker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..policy.decision import Route
+from ..router.planner import NoWorkers
+from ..router.routing import Routing, Turn
+from .prompt import PromptError, PromptTokenizer
+from .route import SESSION_HEADER, route_headers, without_client_pins
+
+log = logging.getLogger("dynamo_ppd.picker")
+
+HOLD_FALLBACK_S = 10.0  # a turn's load is held this long when the policy predicted nothing
+HOLD_MAX_S = 600.0
+
+
+class Refusal(Exception):
+    """The request is answered by the gateway with this status and message, never forwarded."""
+
+    def __init__(self, status: int, message: str, kind: str):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind  # ppd_request_errors_total{kind}
+
+    def body(self) -> bytes:
+        """An OpenAI-style error body, as Dynamo's frontend writes its own."""
+        error_type = "invalid_request_error" if self.status < 500 else "service_unavailable"
+        return json.dumps({"error": {"message": str(self), "type": error_type,
+                                     "code": self.status}}).encode()
+
+
+@dataclass(frozen=True)
+class Pick:
+    """Where a request goes and how: the frontend endpoint (``ip:port``), the header mutation,
+    and the body to send (None: the original bytes, unchanged)."""
+
+    endpoint: str
+    set_headers: dict[str, str]
+    remove_headers: tuple[str, ...]
+    body: bytes | None
+    turn: Turn | None = None
+
+
+class Picker:
+    """The per-request handler around the shared routing state (see the module docstring)."""
+
+    def __init__(self, routing: Routing, tokenizer: PromptTokenizer, frontends: Sequence[str]):
+        if not frontends:
+            raise ValueError("the picker needs at least one frontend endpoint (ip:port)")
+        self.routing = routing
+        self.tokenizer = tokenizer
+        self.frontends = list(frontends)
+        self._next_frontend = itertools.cycle(self.frontends)
+        self._background: set[asyncio.Task] = set()
+        routing.decode_chosen_downstream = True
+
+    def frontend(self) -> str:
+        """A frontend for a request that carries no route (a GET, say): round robin."""
+        return next(self._next_frontend)
+
+    async def pick(self, headers: Mapping[str, str], body: bytes, path: str) -> Pick:
+        """Route one request; raises `Refusal` (4xx/5xx) for one that must not be forwarded."""
+        errors = self.routing.metrics.errors
+        try:
+            request = json.loads(body)
+        except ValueError as exc:
+            errors.labels("bad_request").inc()
+            raise Refusal(400, f"the request body is not valid JSON: {exc}", "bad_request") from None
+        if not isinstance(request, dict):
+            errors.labels("bad_request").inc()
+            raise Refusal(400, "the request body must be a JSON object", "bad_request")
+        try:
+            tokens = self.tokenizer.tokens(request, path)
+        except PromptError as exc:
+            errors.labels("bad_request").inc()
+            raise Refusal(400, str(exc), "bad_request") from None
+        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            errors.labels("bad_request").inc()
+            raise Refusal(400, f"max_tokens must be a positive integer, not {max_tokens!r}", "bad_request")
+        too_big = self.routing.limits.check(len(tokens), max_tokens)
+        if too_big:  # before any worker sees it
+            errors.labels("too_large").inc()
+            raise Refusal(400, too_big, "too_large")
+        session_id = headers.get(SESSION_HEADER)
+        turn_request = {"token_ids": tokens, "stop_conditions": {"max_tokens": max_tokens},
+                        "agent_context": {"session_id": session_id} if session_id else None}
+        self.routing.rate.record(time.monotonic())
+        try:
+            turn = await self.routing.plan_turn(turn_request, tokens)
+        except NoWorkers as exc:
+            errors.labels("no_workers").inc()
+            raise Refusal(503, str(exc), "no_workers") from None
+        except Exception as exc:  # noqa: BLE001 (Dynamo's InvalidArgument: a bad session id)
+            if type(exc).__name__ != "InvalidArgument":
+                raise
+            errors.labels("bad_request").inc()
+            raise Refusal(400, str(exc), "bad_request") from None
+        route = route_headers(turn.decision.route, turn.prefill)
+        self._charge(turn, max_tokens)
+        self._keep(self.routing.record_turn(turn, tokens, []))
+        new_body = json.dumps(request).encode() if without_client_pins(request) else None
+        return Pick(self.frontend(), route.set, route.remove, new_body, turn)
+
+    def _charge(self, turn: Turn, max_tokens: int | None) -> None:
+        """Count the turn on its workers until it is predicted to end (see the module docstring)."""
+        loads, decode, prompt = self.routing.loads, turn.decode, turn.prompt_tokens
+        prefill = turn.prefill if turn.decision.route is Route.VIA_PREFILL else None
+        loads.inflight[decode] += 1
+        loads.context_tokens[decode] += prompt
+        if prefill is not None:
+            loads.prefill_tokens[prefill] += prompt
+        prediction = (turn.decision.via_prefill if prefill is not None else turn.decision.local)
+        outputs = max_tokens or self.routing.config.default_max_tokens
+        if prediction is not None:
+            hold_s = (prediction.ttft_s + prediction.tpot_s * outputs) / self.routing.config.speedup
+            prefill_s = prediction.ttft_s / self.routing.config.speedup
+        else:
+            hold_s = prefill_s = HOLD_FALLBACK_S
+        loop = asyncio.get_running_loop()
+
+        def release_decode() -> None:
+            loads.inflight[decode] = max(0, loads.inflight[decode] - 1)
+            loads.context_tokens[decode] = max(0, loads.context_tokens[decode] - prompt)
+
+        loop.call_later(min(hold_s, HOLD_MAX_S), release_decode)
+        if prefill is not None:
+            def release_prefill(worker: int = prefill) -> None:
+                loads.prefill_tokens[worker] = max(0, loads.prefill_tokens[worker] - prompt)
+
+            loop.call_later(min(prefill_s, HOLD_MAX_S), release_prefill)
+
+    def _keep(self, coro) -> None:
+        """Run a session write in the background: the route does not wait for etcd."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Wait for the session writes under way (at stop)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,99 @@
+"""Running the endpoint picker: Dynamo runtime (discovery of the workers), the shared routing
+state, the prompt tokenizer, the ext_proc gRPC server with gRPC health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from .. import model as model_dir
+from ..router.args import RouterConfig
+from ..router.limits import WorkerCards, read_context_window
+from ..router.metrics import RouterMetrics
+from ..router.routing import Routing
+from ..router.service import ModelClockRate, build_policy
+from ..runtime import create_runtime, run_component
+from .args import PickerConfig, parse_args
+from .extproc import ExtProcService
+from .metrics import PickerMetrics
+from .picker import Picker
+from .prompt import PromptTokenizer
+
+log = logging.getLogger("dynamo_ppd.picker")
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+async def serve(configs: tuple[RouterConfig, PickerConfig]) -> None:
+    config, picker_config = configs
+    runtime = create_runtime()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # no endpoint to serve: wait for this instead
+        loop.add_signal_handler(sig, stopping.set)
+    metrics = RouterMetrics()
+    picker_metrics = PickerMetrics(metrics)
+    if config.metrics_port:
+        metrics.serve(config.metrics_port, config.metrics_host)
+    routing = Routing(runtime, config, build_policy(config), metrics)
+    if config.speedup != 1.0:
+        routing.rate.local = ModelClockRate(config.speedup, routing.rate.local.window_s)
+    await routing.start()
+    path = model_dir.ensure_model_dir(config.model_path)
+    routing.limits.context_window = read_context_window(path)
+    cards = None
+    if os.environ.get("DYN_DISCOVERY_BACKEND", "etcd") == "etcd":
+        discovery_etcd = os.environ.get("ETCD_ENDPOINTS", config.etcd_url).split(",")[0]
+        cards = WorkerCards(routing.limits, discovery_etcd, config.workers_namespace, config.decode_component)
+        await cards.start()
+    picker = Picker(routing, PromptTokenizer.from_model_dir(path), picker_config.frontends)
+    if routing.kv_sync is not None and not await routing.kv_sync.settled():
+        log.warning("the workers' residency was not rebuilt within 10 s of start; serving anyway "
+                    "(follow-ups go through prefill until their decode workers' KV events arrive)")
+
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    servers = []
+    for port, ext_proc in ((picker_config.grpc_port, True), (picker_config.health_port, False)):
+        if not port:
+            continue
+        server = grpc.aio.server()
+        if ext_proc:
+            external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
+                ExtProcService(picker, picker_metrics), server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        server.add_insecure_port(f"{picker_config.grpc_host}:{port}")
+        await server.start()
+        servers.append(server)
+    for service in ("", EXT_PROC_SERVICE):
+        await _set_health(health_servicer, service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("PPD endpoint picker (mode %s, weights %g,%g) on ext_proc %s:%d, frontends %s; "
+             "workers in %s", config.mode.value, config.w_ttft, config.w_tpot, picker_config.grpc_host,
+             picker_config.grpc_port, ",".join(picker_config.frontends), config.workers_namespace)
+    try:
+        await stopping.wait()
+    finally:
+        for service in ("", EXT_PROC_SERVICE):
+            await _set_health(health_servicer, service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for server in servers:
+            await server.stop(grace=2.0)
+        await picker.drain()
+        if cards is not None:
+            await cards.stop()
+        await routing.stop()
+        runtime.shutdown()
+
+
+async def _set_health(servicer, service: str, status) -> None:
+    result = servicer.set(service, status)
+    if asyncio.iscoroutine(result):
+        await result
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_component(serve, parse_args(argv))

@@ -1,0 +1,183 @@
+"""The endpoint picker's protocol and route headers, in process: the ext_proc replies GAIE's
+endpoint-picker protocol requires (order, destination header and metadata, body back, immediate
+responses), with a stand-in `Picker` (the routing itself is exercised end to end in
+tests/test_picker_e2e.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from dynamo_ppd.picker.extproc import DESTINATION_HEADER, ExtProcService
+from dynamo_ppd.picker.picker import Pick, Refusal
+from dynamo_ppd.picker.route import (
+    CLIENT_ROUTING_HEADERS,
+    PREFILL_PIN,
+    ROUTE_HEADER,
+    route_headers,
+    without_client_pins,
+)
+from dynamo_ppd.policy.decision import Route
+
+pytestmark = pytest.mark.unit
+
+Mode = processing_mode_pb2.ProcessingMode
+
+
+class FakePicker:
+    def __init__(self, result: Pick | Refusal):
+        self.result = result
+        self.seen: list[tuple[dict, bytes, str]] = []
+
+    def frontend(self) -> str:
+        return "127.0.0.1:8001"
+
+    async def pick(self, headers, body, path):
+        self.seen.append((dict(headers), body, path))
+        if isinstance(self.result, Refusal):
+            raise self.result
+        return self.result
+
+
+class FakeMetrics:
+    def __init__(self):
+        self.outcomes: list[str] = []
+
+    def observe(self, outcome: str, seconds: float) -> None:
+        self.outcomes.append(outcome)
+
+
+def _messages(body: bytes, mode=Mode.FULL_DUPLEX_STREAMED, chunks: int = 2) -> list[pb.ProcessingRequest]:
+    headers = base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions"),
+        base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+        base_pb2.HeaderValue(key="X-Dynamo-Session-Id", raw_value=b"abc"),
+    ])
+    first = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=headers, end_of_stream=False),
+                                 protocol_config=pb.ProtocolConfiguration(request_body_mode=mode))
+    size = -(-len(body) // chunks)
+    parts = [body[i:i + size] for i in range(0, len(body), size)]
+    last = len(parts) - 1
+    return [first, *(pb.ProcessingRequest(request_body=pb.HttpBody(body=part, end_of_stream=i == last))
+                     for i, part in enumerate(parts))]
+
+
+def _process(picker, messages) -> tuple[list[pb.ProcessingResponse], FakeMetrics]:
+    metrics = FakeMetrics()
+    service = ExtProcService(picker, metrics)  # type: ignore[arg-type]
+
+    async def stream():
+        for m in messages:
+            yield m
+
+    async def run():
+        return [r async for r in service.Process(stream(), None)]
+
+    return asyncio.run(run()), metrics
+
+
+def _set_headers(reply: pb.ProcessingResponse) -> dict[str, str]:
+    options = reply.request_headers.response.header_mutation.set_headers
+    return {o.header.key: o.header.raw_value.decode() for o in options}
+
+
+BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def test_full_duplex_replies_headers_then_the_body_only_after_the_whole_body():
+    route = route_headers(Route.VIA_PREFILL, 42)
+    picker = FakePicker(Pick("127.0.0.1:8001", route.set, route.remove, None))
+    replies, metrics = _process(picker, _messages(BODY, chunks=3))
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body"]
+    headers, seen_body, path = picker.seen[0]
+    assert seen_body == BODY and path == "/v1/chat/completions"
+    assert headers["x-dynamo-session-id"] == "abc"  # names lower-cased, as Envoy sends them
+    sets = _set_headers(replies[0])
+    assert sets[DESTINATION_HEADER] == "127.0.0.1:8001"
+    assert sets[PREFILL_PIN] == "42" and sets[ROUTE_HEADER] == "via_prefill"
+    assert replies[0].request_headers.response.clear_route_cache
+    options = replies[0].request_headers.response.header_mutation.set_headers
+    assert all(o.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD for o in options)
+    lb = replies[0].dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert lb[DESTINATION_HEADER].string_value == "127.0.0.1:8001"  # the same value as the header
+    streamed = replies[1].request_body.response.body_mutation.streamed_response
+    assert streamed.body == BODY and streamed.end_of_stream
+    assert metrics.outcomes == ["routed"]
+
+
+def _body_set_headers(reply: pb.ProcessingResponse) -> dict[str, str]:
+    options = reply.request_body.response.header_mutation.set_headers
+    return {o.header.key: o.header.raw_value.decode() for o in options}
+
+
+def test_buffered_mode_answers_the_headers_at_once_and_routes_on_the_body_answer():
+    # Envoy sends a buffered body only once the headers are answered: routing on the headers'
+    # answer would wait for a body that never comes.
+    route = route_headers(Route.VIA_PREFILL, 5)
+    replies, _ = _process(FakePicker(Pick("h:1", route.set, route.remove, None)),
+                          _messages(BODY, Mode.BUFFERED, chunks=1))
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body"]
+    assert not replies[0].request_headers.response.HasField("header_mutation")
+    body = replies[1].request_body.response
+    assert not body.HasField("body_mutation")  # unchanged body: no mutation, no new length
+    sets = _body_set_headers(replies[1])
+    assert sets[DESTINATION_HEADER] == "h:1" and sets[PREFILL_PIN] == "5" and "content-length" not in sets
+    lb = replies[1].dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert lb[DESTINATION_HEADER].string_value == "h:1"
+    replies, _ = _process(FakePicker(Pick("h:1", route.set, route.remove, b"{}")),
+                          _messages(BODY, Mode.BUFFERED, chunks=1))
+    assert replies[1].request_body.response.body_mutation.body == b"{}"
+    assert _body_set_headers(replies[1])["content-length"] == "2"
+
+
+def test_a_refusal_is_an_immediate_response_with_an_openai_error_body():
+    replies, metrics = _process(FakePicker(Refusal(400, "too long", "too_large")), _messages(BODY))
+    assert [r.WhichOneof("response") for r in replies] == ["immediate_response"]
+    immediate = replies[0].immediate_response
+    assert immediate.status.code == 400
+    assert json.loads(immediate.body)["error"] == {"message": "too long", "type": "invalid_request_error",
+                                                     "code": 400}
+    assert metrics.outcomes == ["refused_400"]
+
+
+def test_a_request_without_a_body_goes_to_a_frontend_unrouted():
+    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/models")])
+    picker = FakePicker(Refusal(500, "never called", "x"))
+    replies, _ = _process(picker, [pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=headers, end_of_stream=True))])
+    assert _set_headers(replies[0]) == {DESTINATION_HEADER: "127.0.0.1:8001"}
+    assert picker.seen == []
+
+
+def test_response_messages_pass_through_unchanged():
+    route = route_headers(Route.DECODE_LOCAL, None)
+    messages = [*_messages(BODY), pb.ProcessingRequest(response_headers=pb.HttpHeaders()),
+                pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: x\n\n", end_of_stream=True))]
+    replies, _ = _process(FakePicker(Pick("h:1", route.set, route.remove, None)), messages)
+    assert [r.WhichOneof("response") for r in replies][2:] == ["response_headers", "response_body"]
+    streamed = replies[3].response_body.response.body_mutation.streamed_response
+    assert streamed.body == b"data: x\n\n" and streamed.end_of_stream
+
+
+def test_routes_become_a_prefill_pin_or_no_pin_and_client_pins_are_dropped():
+    via = route_headers(Route.VIA_PREFILL, 7)
+    assert via.set == {ROUTE_HEADER: "via_prefill", PREFILL_PIN: "7"}
+    assert PREFILL_PIN not in via.remove and "x-dynamo-worker-instance-id" in via.remove
+    local = route_headers(Route.DECODE_LOCAL, None)
+    assert local.set == {ROUTE_HEADER: "decode_local"}  # the frontend's KV router picks the holder
+    assert set(local.remove) == set(CLIENT_ROUTING_HEADERS)
+    with pytest.raises(ValueError):
+        route_headers(Route.VIA_PREFILL, None)
+
+
+def test_client_pins_in_nvext_are_dropped():
+    body = {"nvext": {"backend_instance_id": 3, "prefill_worker_id": 4, "ignore_eos": True}}
+    assert without_client_pins(body)
+    assert body == {"nvext": {"ignore_eos": True}}
+    assert not without_client_pins({"nvext": {"ignore_eos": True}})
+    assert not without_client_pins({"messages": []})
