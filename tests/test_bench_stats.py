@@ -90,7 +90,8 @@ def test_per_rate_and_speedup_args():
         per_rate([4.0, 16.0], [1, 4, 8])
     args = speedup_args("pd", 4.0)
     assert args == {"prefill": ["--speedup", "0.25"], "decode": ["--speedup", "0.25"]}  # not the frontend
-    assert set(speedup_args("ppd", 8.0)) == {"prefill", "decode", "router"}
+    assert set(speedup_args("ppd-relay", 8.0)) == {"prefill", "decode", "router"}
+    assert set(speedup_args("ppd", 8.0)) == {"prefill", "decode", "picker"}  # not the gateway
     assert speedup_args("pd", 1.0) == {}
 
 

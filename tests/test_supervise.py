@@ -123,7 +123,7 @@ def chat_ok(base_url: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_serve_supervise_with_ctl_kill_and_restart(serve_run):
-    run = serve_run("ppd", "--supervise", "--replicas", "decode=2")
+    run = serve_run("ppd-relay", "--supervise", "--replicas", "decode=2")
     record = run.wait_ready()
     assert record["supervise"] is True and record["control_url"].startswith("http://127.0.0.1:")
     pids = {p["label"]: p["pid"] for p in record["processes"]}

@@ -56,7 +56,7 @@ SYSTEMS = ("agg", "pd", "cond-disagg", "local", "ppd")
 
 def ppd_graph_with_mode(mode: str, workdir: Path) -> str:
     """The bundled ppd graph with the router's ``--mode`` set, written under ``workdir``."""
-    _, path = load_graph("ppd")
+    _, path = load_graph("ppd-relay")
     text = path.read_text()
     default = '"--mode", "ppd"'
     if default not in text:
@@ -103,13 +103,13 @@ def per_rate(values: list[float] | None, rates: list[float], what: str = "--dila
 
 
 def speedup_args(graph: str, dilation: float) -> dict[str, list[str]]:
-    """``--speedup 1/N`` for every simulated worker and router component of the graph."""
+    """``--speedup 1/N`` for every simulated worker, router and picker component of the graph."""
     if dilation == 1.0:
         return {}
     loaded, _ = load_graph(graph)
     flag = ["--speedup", repr(1.0 / dilation)]
     return {c.name: flag for c in loaded.components
-            if any(a in ("dynamo_ppd.worker", "dynamo_ppd.router") for a in c.command)}
+            if any(a in ("dynamo_ppd.worker", "dynamo_ppd.router", "dynamo_ppd.picker") for a in c.command)}
 
 
 def play(url: str, system: str, workload: str, rate: float, manifest: Manifest, seed: int,

@@ -152,7 +152,7 @@ class Run:
 def _mocker_graph(system: str, workdir: Path) -> str:
     """The system's bundled graph (ppd or relay) with no prefill worker and its decode workers
     replaced by 3 aggregated mocker workers (`MOCKER_WORKER`), written under ``workdir``."""
-    graph, _ = load_graph("ppd" if system.startswith("ppd") else "relay")
+    graph, _ = load_graph("ppd-relay" if system.startswith("ppd") else "relay")
     components = [msgspec.structs.replace(c, command=MOCKER_WORKER, replicas=3,
                                           description="aggregated Dynamo mocker worker")
                   if c.name == "decode" else c for c in graph.components if c.name != "prefill"]

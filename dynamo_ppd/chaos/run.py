@@ -44,7 +44,7 @@ FAULT_REPLICAS: dict[str, dict[str, int]] = {
 
 @dataclass
 class RunSettings:
-    graph: str = "ppd"
+    graph: str = "ppd-relay"
     rate: float = 2.0
     duration_s: float = 90.0  # arrivals; no turn is sent after it
     fault_at_s: float = 45.0

@@ -34,10 +34,11 @@ def _add_serve(sub) -> None:
         "stop every process (workers deregister from etcd at once). Each process's log is kept in "
         "RUN_DIR/logs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("graph", nargs="?", default="pd",
+    p.add_argument("graph", nargs="?", default="ppd",
                    help="graph name (a file NAME.yaml in ./graphs or the bundled graphs) or a path "
                    "to a graph YAML file")
-    p.add_argument("--http-port", type=_port, default=8000, help="frontend HTTP port")
+    p.add_argument("--http-port", type=_port, default=8000,
+                   help="the graph's OpenAI HTTP port (its frontend's, or its gateway's)")
     p.add_argument("--nats-port", type=_port, default=4222, help="port for the NATS server we start")
     p.add_argument("--etcd-port", type=_port, default=2379, help="client port for the etcd we start")
     p.add_argument("--nats-url", help="use this running NATS server instead of starting one "
@@ -143,8 +144,13 @@ def _add_table(sub) -> None:
 
 
 def _add_router(sub) -> None:
-    sub.add_parser("router", help="run the PPD router component (same as python -m dynamo_ppd.router; "
-                   "`dynamo-ppd router --help` lists its flags)", add_help=False)
+    sub.add_parser("router", help="run the PPD relay router component (same as python -m "
+                   "dynamo_ppd.router; `dynamo-ppd router --help` lists its flags)", add_help=False)
+    sub.add_parser("picker", help="run the PPD endpoint picker, an Envoy ext_proc server (same as "
+                   "python -m dynamo_ppd.picker; `dynamo-ppd picker --help` lists its flags)",
+                   add_help=False)
+    sub.add_parser("gateway", help="run the local gateway that stands in for an Envoy-based one "
+                   "(same as python -m dynamo_ppd.gateway; `dynamo-ppd gateway --help`)", add_help=False)
 
 
 def _add_bench(sub) -> None:
@@ -261,6 +267,16 @@ def main(argv: list[str] | None = None) -> int:
         from ..router.service import main as router_main
 
         router_main(argv[1:])
+        return 0
+    if argv[:1] == ["picker"]:  # so has the picker (dynamo_ppd/picker/args.py)
+        from ..picker.service import main as picker_main
+
+        picker_main(argv[1:])
+        return 0
+    if argv[:1] == ["gateway"]:
+        from ..gateway.__main__ import main as gateway_main
+
+        gateway_main(argv[1:])
         return 0
     args = build_parser().parse_args(argv)
     try:

@@ -34,6 +34,9 @@ PLACEHOLDERS: dict[str, str] = {
     "system_port": "a free port for this process's Dynamo system server (DYN_SYSTEM_PORT)",
     "metrics_port": "another free port for this process (e.g. a router's Prometheus server)",
     "replica": "this process's replica index, from 0",
+    "frontend_port": "a free port for a Dynamo frontend behind a gateway (one per graph)",
+    "picker_port": "this endpoint-picker replica's ext_proc gRPC port (component `picker`)",
+    "picker_endpoints": "every endpoint-picker replica's ext_proc address, ip:port,ip:port",
     "run_dir": "the run directory (logs and run.json)",
     "graph_dir": "the directory holding the graph file",
 }

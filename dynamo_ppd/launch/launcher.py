@@ -39,6 +39,8 @@ from .servers import (
 )
 from .supervise import RestartEvent, Supervisor
 
+PICKER_COMPONENT = "picker"  # a graph's endpoint pickers: {picker_port}, {picker_endpoints}
+
 
 class LaunchError(Exception):
     """Startup failed; the message is one line saying what and where to look."""
@@ -270,6 +272,14 @@ def _component_processes(graph: Graph, graph_dir: Path, deployment: Deployment,
     """One list of processes per component, placeholders filled in."""
     batches = []
     taken: set[int] = {deployment.http_port}
+    # Graph-wide ports: a frontend behind a gateway, and the endpoint pickers the gateway calls.
+    frontend_port = free_port(below=32768, avoid=taken)
+    taken.add(frontend_port)
+    pickers = next((c.replicas for c in graph.components if c.name == PICKER_COMPONENT), 0)
+    picker_ports: list[int] = []
+    for _ in range(pickers):
+        picker_ports.append(free_port(below=32768, avoid=taken))
+        taken.add(picker_ports[-1])
     for comp in graph.components:
         batch = []
         for replica in range(comp.replicas):
@@ -281,7 +291,9 @@ def _component_processes(graph: Graph, graph_dir: Path, deployment: Deployment,
                 "model_name": deployment.model_name, "namespace": graph.namespace,
                 "http_port": deployment.http_port, "nats_url": deployment.endpoints.nats_url,
                 "etcd_url": deployment.endpoints.etcd_url, "system_port": system_port,
-                "metrics_port": metrics_port,
+                "metrics_port": metrics_port, "frontend_port": frontend_port,
+                "picker_port": picker_ports[replica] if comp.name == PICKER_COMPONENT else "",
+                "picker_endpoints": ",".join(f"127.0.0.1:{p}" for p in picker_ports),
                 "replica": replica, "run_dir": str(deployment.run_dir), "graph_dir": str(graph_dir),
             }
             label = comp.name if comp.replicas == 1 else f"{comp.name}-{replica}"

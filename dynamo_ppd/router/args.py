@@ -144,7 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser = build_parser()
-    a = parser.parse_args(argv)
+    return config_from(parser, parser.parse_args(argv))
+
+
+def config_from(parser: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
+    """The routing config of parsed arguments (the relay router's and the endpoint picker's)."""
     if not a.speedup > 0:
         parser.error(f"--speedup must be positive, not {a.speedup}")
     if a.table not in ("auto", "none"):

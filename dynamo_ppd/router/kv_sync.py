@@ -127,6 +127,21 @@ class KvSync:
             await nats_client.subscribe(kv_events_subject(self.namespace, component), cb=self._on_kv_event)
         self._tasks.append(asyncio.get_running_loop().create_task(self._poll_loop()))
 
+    async def settled(self, timeout_s: float = 10.0) -> bool:
+        """Wait (at most ``timeout_s``) until the workers discovery lists now have had their
+        residency rebuilt from their own indexers: a restarted shell that serves before then
+        sends follow-ups through prefill although their decode workers hold them. True if so."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            listed = any(client.instance_ids() for role, client in self.clients.items()
+                         if role in self._known)
+            if not self._first_poll and not self._pending and (listed or not self._sources):
+                self.poll(time.monotonic())  # whatever discovery added since the last poll
+                if not self._pending:
+                    return True
+            await asyncio.sleep(0.05)
+        return False
+
     async def stop(self) -> None:
         for task in [*self._tasks, *self._pending.values()]:
             task.cancel()

@@ -34,6 +34,10 @@ class RouterMetrics:
         self.sessions_evicted = Counter(
             "ppd_sessions_evicted", "Sessions dropped past --max-sessions (least recently used first)",
             registry=self.registry)
+        self.decode_divergence = Counter(
+            "ppd_decode_divergence",
+            "Follow-ups whose history was on another decode worker than the planner had chosen "
+            "(behind the endpoint picker: Dynamo's frontend picked another one)", registry=self.registry)
         self.session_forks = Counter(
             "ppd_session_forks", "Turns under a session id whose prompt did not continue its history",
             registry=self.registry)

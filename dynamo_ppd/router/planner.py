@@ -178,6 +178,20 @@ def _placement_state(cluster: WorkersView, decode: Sequence[int] | None = None
                                   cluster.loads, cluster.routed, cluster.cached_tokens)
 
 
+def served_home(record: SessionRecord, cluster: WorkersView) -> int | None:
+    """The decode worker a session's history is on, when something other than the planner chose
+    it (Dynamo's frontend, behind an endpoint picker that pins only prefill workers): the
+    recorded worker, unless another live decode worker holds more of the prompt (the residency
+    index, from the workers' KV events), which then served the last turn."""
+    recorded = record.decode_worker
+    if recorded is None or recorded not in cluster.decode:
+        return recorded  # none yet, or gone: the plan places or re-homes the turn
+    home = residency_home(cluster)
+    if home is None or cluster.cached(home) <= cluster.cached(recorded):
+        return recorded
+    return home
+
+
 def follow_up_turn(cached_on_decode: Mapping[int, int], prompt_tokens: int,
                    min_resident_fraction: float) -> int:
     """A header's turn when etcd is away (its record may exist unseen): 2, a follow-up of the

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from ..engine.blocks import dynamo_block_hasher, prefix_chain
 from ..engine.profile import load_profile
 from ..policy import placement
@@ -115,6 +117,10 @@ class Routing:
         self.kv_sync: KvSync | None = None
         self._table_config: str | None = None
         self._background: set[asyncio.Task] = set()  # session writes in flight
+        # True behind an endpoint picker: Dynamo's frontend, not this process, picks the decode
+        # worker of a turn it does not pin, so a session's home is where its history is
+        # (`planner.served_home`), whatever decode worker the plan that placed it named.
+        self.decode_chosen_downstream = False
 
     async def start(self) -> None:
         import nats
@@ -190,6 +196,11 @@ class Routing:
                                  self.instances("replica")))
         if cluster.decode:  # the policy's table for the live P:D configuration
             self._select_table(len(cluster.prefill), len(cluster.decode))
+        if record is not None and self.decode_chosen_downstream:
+            home = planner.served_home(record, cluster)
+            if home != record.decode_worker:
+                self.metrics.decode_divergence.inc()
+                record = msgspec.structs.replace(record, decode_worker=home)
         stop = request.get("stop_conditions") or {}
         decided = planner.plan(
             self.policy, planner.SessionView(session_id, turn, record), cluster,
