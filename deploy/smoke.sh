@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU smoke test of the PPD router on a real node: serve graphs/ppd-trtllm.yaml (Dynamo's frontend,
-# the PPD router, TensorRT-LLM prefill and decode workers on 4 GPUs), hold a 3-turn conversation
-# under one x-dynamo-session-id, and check that turns 2 and 3 ran decode-local: the decode worker
-# reported cached prompt tokens (usage.prompt_tokens_details.cached_tokens > 0) and the router's
-# ppd_decisions_total{route="decode_local",turn="follow_up"} grew by 2. Everything started is
+# GPU smoke test of PPD on a real node: serve graphs/ppd-trtllm.yaml (the gateway, the PPD endpoint
+# picker, Dynamo's frontend, TensorRT-LLM prefill and decode workers on 4 GPUs; GRAPH=
+# graphs/ppd-relay-trtllm.yaml: the relay router instead), hold a 3-turn conversation under one
+# x-dynamo-session-id, and check that turns 2 and 3 ran decode-local: the decode worker reported
+# cached prompt tokens (usage.prompt_tokens_details.cached_tokens > 0) and the picker's (or the
+# router's) ppd_decisions_total{route="decode_local",turn="follow_up"} grew by 2. Everything started is
 # stopped on exit (also on failure or Ctrl-C).
 #
 #   uv sync --extra trtllm          # once: Dynamo's TensorRT-LLM backend in .venv
@@ -96,13 +97,13 @@ while [ -z "$METRICS_URL" ]; do
         fail "dynamo-ppd serve exited before it was ready; see $OUT and $RUN_DIR/logs/"
     fi
     [ "$SECONDS" -lt "$deadline" ] || fail "not ready after ${READY_TIMEOUT} s; see $OUT and $RUN_DIR/logs/"
-    METRICS_URL="$(sed -n 's/^router metrics: \(http[^ ]*\).*$/\1/p' "$OUT" | head -n 1)"
+    METRICS_URL="$(sed -En 's/^(router|picker) metrics: (http[^ ]*).*$/\2/p' "$OUT" | head -n 1)"
     [ -n "$METRICS_URL" ] || sleep 2
 done
 BASE="http://127.0.0.1:$HTTP_PORT"
 MODEL_NAME="$(curl -sf "$BASE/v1/models" | "$PYTHON" -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')" \
     || fail "$BASE/v1/models did not answer"
-log "ready: $BASE/v1 (model $MODEL_NAME), router metrics $METRICS_URL"
+log "ready: $BASE/v1 (model $MODEL_NAME), routing metrics $METRICS_URL"
 
 # Requests are built and streamed responses parsed by this helper (no jq needed).
 cat >"$TMP/chat.py" <<'PY'

@@ -156,7 +156,9 @@ def test_bench_compare_two_systems_end_to_end(model_dir, tmp_path):
         # Model time: TPOT near the virtual clock's (the workers ran at half speed, the client
         # divided by 2), not twice it.
         assert o.all_turns.p50_tpot_s == pytest.approx(point.sim_outcome.all_turns.p50_tpot_s, rel=0.25)
-    assert "router" in next(p for p in results.points if p.system == "ppd").cpu_cores
+    # Every system behind the gateway; ppd's routing is the endpoint picker's.
+    assert all("gateway" in p.cpu_cores for p in results.points)
+    assert "picker" in next(p for p in results.points if p.system == "ppd").cpu_cores
     # The decisions, counted by the live workers and by the simulation: pd never runs a turn
     # decode-local; the ppd router keeps follow-ups on their decode worker.
     by_system = {p.system: p for p in results.points}

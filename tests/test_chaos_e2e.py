@@ -1,6 +1,7 @@
 """`dynamo-ppd chaos` end to end, short: a decode worker SIGKILLed under a WildChat-like load on a
-supervised ppd graph (1P2D). Fails when any request fails or any stream is cut (the router must
-carry the killed worker's answers over), or when the kill hit no answer at all (vacuous run)."""
+supervised ppd graph (1P2D: the endpoint picker in front of Dynamo's frontend). Fails when any
+request fails or any stream is cut (Dynamo's migration must carry the killed worker's answers
+over), or when the kill hit no answer at all (vacuous run)."""
 
 from __future__ import annotations
 

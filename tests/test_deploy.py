@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "helm" / "dynamo-ppd"
 GRAPHS = ROOT / "graphs"
-TRTLLM_GRAPHS = ["ppd-trtllm", "pd-trtllm", "cond-disagg-trtllm"]
+TRTLLM_GRAPHS = ["ppd-trtllm", "ppd-relay-trtllm", "pd-trtllm", "cond-disagg-trtllm"]
 SHIPPED_TABLE = ROOT / "dynamo_ppd" / "policy" / "tables" / "h100-llama3.1-8b-2p2d.json"
 
 # P:D presets: chart values files, and the graph components switched on (`serve --replicas`).
@@ -130,7 +130,8 @@ def _graph_commands(name: str, replicas: str = "") -> dict[str, tuple[list[str],
     assert set(counts) <= names, f"{name}: --replicas names {set(counts) - names}"
     values = {key: f"<{key}>" for key in PLACEHOLDERS} | {
         "python": sys.executable, "graph_dir": str(path.parent), "http_port": 8000,
-        "system_port": 9000, "metrics_port": 9100, "replica": 0}
+        "system_port": 9000, "metrics_port": 9100, "replica": 0, "frontend_port": 8001, "picker_port": 9002,
+        "picker_endpoints": "127.0.0.1:9002"}
     out = {}
     for comp in graph.components:
         for replica in range(int(counts.get(comp.name, comp.replicas))):
@@ -178,7 +179,8 @@ def test_trtllm_graph_dry_run(graph):
                          replicas=_replicas_dict(GRAPH_REPLICAS["3p1d"])), log=lines.append)
     assert sum("-m dynamo.trtllm" in line for line in lines) == 4
     assert any("-m dynamo.frontend" in line for line in lines)
-    assert any("-m dynamo_ppd.router" in line for line in lines) == (graph == "ppd-trtllm")
+    assert any("-m dynamo_ppd.router" in line for line in lines) == (graph == "ppd-relay-trtllm")
+    assert any("-m dynamo_ppd.picker" in line for line in lines) == (graph == "ppd-trtllm")
 
 
 def _replicas_dict(text: str) -> dict[str, int]:
@@ -196,8 +198,8 @@ def test_trtllm_graph_cli_dry_run():
 
 
 @pytest.mark.unit
-def test_ppd_trtllm_router_flags_parse():
-    commands = _graph_commands("ppd-trtllm")
+def test_ppd_relay_trtllm_router_flags_parse():
+    commands = _graph_commands("ppd-relay-trtllm")
     (router_argv, _), = [v for v in commands.values() if _after_module(v[0], "dynamo_ppd.router")]
     args = build_parser().parse_args(_after_module(router_argv, "dynamo_ppd.router"))
     frontend = next(argv for argv, _ in commands.values() if _after_module(argv, "dynamo.frontend"))
@@ -208,6 +210,27 @@ def test_ppd_trtllm_router_flags_parse():
             ns, component, _ = argv[argv.index("--endpoint") + 1].removeprefix("dyn://").split(".")
             assert ns == args.workers_namespace
             assert component in (args.prefill_component, args.decode_component)
+
+
+@pytest.mark.unit
+def test_ppd_trtllm_picker_flags_parse_and_name_the_frontend_and_its_workers():
+    from dynamo_ppd.picker.args import parse_args as parse_picker_args
+
+    commands = _graph_commands("ppd-trtllm")
+    (picker_argv, _), = [v for v in commands.values() if _after_module(v[0], "dynamo_ppd.picker")]
+    config, picker = parse_picker_args(_after_module(picker_argv, "dynamo_ppd.picker"))
+    assert config.mode.value == "ppd" and config.block_size == 32 and config.workers_namespace == "dynamo"
+    frontend = next(argv for argv, _ in commands.values() if _after_module(argv, "dynamo.frontend"))
+    assert picker.frontends == (f"127.0.0.1:{frontend[frontend.index('--http-port') + 1]}",)
+    assert "--router-conditional-disagg" in frontend and "--migration-limit" in frontend
+    assert frontend[frontend.index("--router-mode") + 1] == "kv"
+    gateway = next(argv for argv, _ in commands.values() if _after_module(argv, "dynamo_ppd.gateway"))
+    assert gateway[gateway.index("--upstream") + 1] == picker.frontends[0]
+    for argv, _ in commands.values():
+        if "--endpoint" in argv:  # workers register where the picker and the frontend look
+            ns, component, _ = argv[argv.index("--endpoint") + 1].removeprefix("dyn://").split(".")
+            assert ns == config.workers_namespace
+            assert component in (config.prefill_component, config.decode_component)
 
 
 # The parsers of the programs a command starts, in a subprocess: Dynamo's frontend parser, and
@@ -299,7 +322,7 @@ def test_trtllm_graph_flags_parse_with_dynamo():
                     commands.append((kind, rest))
     parsed = _parse_with_dynamo(commands)
     workers = [r for (kind, _), r in zip(commands, parsed, strict=True) if kind == "trtllm"]
-    assert len(workers) == 12
+    assert len(workers) == 4 * len(TRTLLM_GRAPHS)
     assert all(r["kv_events"] and r["metrics"] and r["block"] == 32 for r in workers)
     assert {(r["mode"], r["component"]) for r in workers} == {("prefill", "prefill"), ("decode", "backend")}
     # The engine files reached the engine, over Dynamo's own defaults.
@@ -761,7 +784,7 @@ def test_smoke_script_rejects_unknown_presets():
 @pytest.mark.skipif(shutil.which("curl") is None, reason="deploy/smoke.sh sends its requests with curl")
 def test_smoke_script_passes_on_the_simulated_graph(model_dir, tmp_path):
     """The smoke script's whole path (serve, wait, 3 turns, cached tokens, router metrics, clean-up)
-    on the simulated `ppd` graph: what an operator runs on GPUs, minus the GPUs."""
+    on the simulated `ppd` graph (the endpoint picker): what an operator runs on GPUs, minus the GPUs."""
     env = {**os.environ, "GRAPH": "ppd", "REPLICAS": "", "SKIP_PREPARE": "1", "MODEL_DIR": str(model_dir),
            "PYTHON": sys.executable, "HTTP_PORT": str(free_port()), "NATS_PORT": str(free_port()),
            "ETCD_PORT": str(free_port()), "RUN_DIR": str(tmp_path / "run"), "READY_TIMEOUT": "120",

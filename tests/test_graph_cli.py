@@ -82,7 +82,7 @@ def test_cli_unknown_graph_name_lists_known():
     result = cli("serve", "no-such-graph")
     assert result.returncode == 2
     known = ("agg, agg-mocker, cond-disagg, cond-disagg-trtllm, pd, pd-mocker, pd-trtllm, ppd, ppd-relay, "
-             "ppd-trtllm, relay")
+             "ppd-relay-trtllm, ppd-trtllm, relay")
     assert f"known graphs: {known} (or pass" in result.stderr
     assert result.stderr.strip().count("\n") == 0
 

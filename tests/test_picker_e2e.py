@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import openai
 import pytest
 from test_passthrough_e2e import _served_by_worker
 from test_router import chat, conversation, metrics
@@ -118,6 +119,15 @@ def test_bad_requests_get_their_status_before_any_worker_sees_them(model_dir, tm
         assert ok.status_code == 200, ok.text
         models = httpx.get(f"{dep.base_url}/v1/models", timeout=10)  # no body: served unrouted
         assert models.json()["data"][0]["id"] == dep.model_name
+        # The openai SDK, unmodified: a streamed chat, and a refused one raising with its status.
+        client = openai.OpenAI(base_url=f"{dep.base_url}/v1", api_key="unused")
+        stream = client.chat.completions.create(model=dep.model_name, messages=hi, max_tokens=6, stream=True,
+                                                extra_headers={"x-dynamo-session-id": "sdk"})
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=dep.model_name, messages=hi, max_tokens=6, stream=True,
+                                           extra_headers={"x-dynamo-session-id": "y" * 1000})
+        assert refused.value.status_code == 400
     finally:
         dep.stop()
 

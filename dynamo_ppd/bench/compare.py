@@ -8,8 +8,12 @@ system down before the next:
   the P:D split has in all;
 - ``pd``: Dynamo's frontend-native disaggregation (x=0);
 - ``cond-disagg``: Dynamo's conditional disaggregation (its default-style `isl_or_load` policy);
-- ``local``: our router with every follow-up decode-local (x=1);
-- ``ppd``: our router with the table and online correction.
+- ``local``: PPD with every follow-up decode-local (x=1), through the endpoint picker;
+- ``ppd``: PPD with the table and online correction, through the endpoint picker (`graphs/ppd.yaml`);
+- ``local-relay``, ``ppd-relay``: the same through the relay router (`graphs/ppd-relay.yaml`).
+
+Every system runs behind the local gateway (in pass-through; ``--no-gateway``: none, the relay
+and Dynamo's graphs as they are), so all pay the same extra hop.
 
 `run` plays it against any running OpenAI endpoint (a GPU cluster).
 
@@ -41,7 +45,7 @@ import msgspec
 
 from ..argtypes import cli_error, comma_choices, positive_floats, positive_int, positive_seconds
 from ..launch import ServeOptions, start
-from ..launch.graph import load_graph
+from ..launch.graph import Component, ReadyCheck, load_graph
 from ..launch.process import free_port
 from ..sim.cluster import parse_config
 from ..workloads.manifest import Manifest, load_manifest, scale_arrivals
@@ -51,26 +55,61 @@ from .client import run_manifest
 from .cpu import CpuMeter
 from .progress import Progress
 
-SYSTEMS = ("agg", "pd", "cond-disagg", "local", "ppd")
+SYSTEMS = ("agg", "pd", "cond-disagg", "local", "ppd", "local-relay", "ppd-relay")
+# ppd / local: the endpoint picker (`graphs/ppd.yaml`); *-relay: the relay router (`ppd-relay`).
+PPD_GRAPH = {"ppd": "ppd", "local": "ppd", "ppd-relay": "ppd-relay", "local-relay": "ppd-relay"}
+GATEWAY = "gateway"
 
 
-def ppd_graph_with_mode(mode: str, workdir: Path) -> str:
-    """The bundled ppd graph with the router's ``--mode`` set, written under ``workdir``."""
-    _, path = load_graph("ppd-relay")
+def ppd_graph_with_mode(mode: str, workdir: Path, graph: str = "ppd-relay") -> str:
+    """A bundled PPD graph (the relay router's, or the endpoint picker's ``ppd``) with its
+    ``--mode`` set, written under ``workdir``."""
+    _, path = load_graph(graph)
     text = path.read_text()
     default = '"--mode", "ppd"'
     if default not in text:
-        raise ValueError(f"{path}: the router's {default} is not in the graph; cannot set the mode")
-    out = workdir / f"ppd-mode-{mode}.yaml"
+        raise ValueError(f"{path}: the {default} is not in the graph; cannot set the mode")
+    out = workdir / f"{graph}-mode-{mode}.yaml"
     out.write_text(text.replace(default, f'"--mode", "{mode}"'))
     return str(out)
 
 
-def _graph(system: str, workdir: Path) -> str:
-    """The graph a system runs: a bundled one, or ppd with the router's mode set."""
+def behind_gateway(graph: str, workdir: Path) -> str:
+    """``graph`` with the local gateway in pass-through in front of its frontend (which moves to
+    ``{frontend_port}``), written under ``workdir``; a graph with a gateway already is returned
+    as it is. Every system of a comparison then pays the same extra hop, and the endpoint
+    picker's differs from the others only by its callout."""
+    loaded, path = load_graph(graph)
+    if any(c.name == GATEWAY for c in loaded.components):
+        return graph
+    components = []
+    for c in loaded.components:
+        if c.name == loaded.frontend:
+            moved = (lambda text: text.replace("{http_port}", "{frontend_port}"))  # noqa: E731
+            ready = msgspec.structs.replace(c.ready, http=moved(c.ready.http)) if c.ready.http else c.ready
+            c = msgspec.structs.replace(c, command=[moved(a) for a in c.command], ready=ready)
+        components.append(c)
+    components.append(Component(
+        name=GATEWAY, description="the local gateway in pass-through (no picker)",
+        command=["{python}", "-m", "dynamo_ppd.gateway", "--port", "{http_port}",
+                 "--upstream", "127.0.0.1:{frontend_port}", "--metrics-port", "{metrics_port}"],
+        ready=ReadyCheck(http="http://127.0.0.1:{http_port}/health")))
+    out = workdir / f"{loaded.name}-behind-gateway.yaml"
+    out.write_bytes(msgspec.yaml.encode(msgspec.structs.replace(
+        loaded, name=f"{loaded.name}-gw", components=components, frontend=GATEWAY,
+        description=f"{loaded.description} (behind the local gateway in pass-through)")))
+    return str(out)
+
+
+def _graph(system: str, workdir: Path, gateway: bool = True) -> str:
+    """The graph a system runs: a bundled one, or a PPD graph with its mode set; behind the local
+    gateway unless ``gateway`` is False (the endpoint picker's graph always has it)."""
     if system in ("agg", "pd", "cond-disagg"):
-        return system
-    return ppd_graph_with_mode("local" if system == "local" else "ppd", workdir)
+        graph = system
+    else:
+        graph = ppd_graph_with_mode("local" if system.startswith("local") else "ppd", workdir,
+                                    PPD_GRAPH[system])
+    return behind_gateway(graph, workdir) if gateway else graph
 
 
 def replicas(system: str, config: str) -> dict[str, int]:
@@ -157,7 +196,7 @@ def compare(systems: list[str], workload: str | None, manifest_path: Path | None
             config: str, out_dir: Path, seed: int = 0, conversations: int = 200,
             max_conversations: int = 2000, size: bool = True, dilation: list[float] | None = None,
             cut_after_s: float | None = None, point_budget_s: float | None = None,
-            simulate: bool = True) -> res.BenchResults:
+            simulate: bool = True, gateway: bool = True) -> res.BenchResults:
     dilations = per_rate(dilation, rates)
     if size and not simulate:
         raise ValueError("sizing points needs the simulation (drop --no-simulate or pass --no-size)")
@@ -183,7 +222,7 @@ def compare(systems: list[str], workload: str | None, manifest_path: Path | None
     results = res.BenchResults(version=res.RESULTS_VERSION, config=config.upper(), points=points)
     with tempfile.TemporaryDirectory(prefix="ppd-bench-") as tmp:
         for system in systems:
-            graph = _graph(system, Path(tmp))
+            graph = _graph(system, Path(tmp), gateway)
             for rate, n_dil, sized in plans:
                 sys.stderr.write(f"bringing up {system} ({config}, dilation {n_dil:g}) ...\n")
                 dep = start(ServeOptions(graph=graph, http_port=free_port(), nats_port=free_port(),
@@ -299,6 +338,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "95%% interval is within +-10%%")
             p.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True,
                            help="simulate the same manifest on the virtual clock (live/sim columns)")
+            p.add_argument("--gateway", action=argparse.BooleanOptionalAction, default=True,
+                           help="every system behind the local gateway (in pass-through; the endpoint "
+                           "picker's ppd/local call the picker from it), so all pay the same hop")
         else:
             p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate")
             p.add_argument("--url", required=True, help="OpenAI base URL, e.g. http://host:8000")
@@ -328,7 +370,7 @@ def main(args: argparse.Namespace) -> int:
             compare(args.systems, args.workload, args.manifest, args.qps, args.config, args.out, args.seed,
                     conversations=args.conversations, max_conversations=args.max_conversations,
                     size=args.size, dilation=args.dilation, cut_after_s=args.cut_after,
-                    point_budget_s=args.point_budget, simulate=args.simulate)
+                    point_budget_s=args.point_budget, simulate=args.simulate, gateway=args.gateway)
             return 0
         name, runs = manifests(args.workload, args.manifest, args.qps, args.duration, args.seed)
         dilations = per_rate(args.dilation, args.qps)

@@ -13,6 +13,11 @@ process would saturate a core (1 / its CPU per token), and TTFT p50 at low load.
 ``--router-replicas 1,2`` the PPD router runs as 1 and as 2 replicas behind the frontend; per
 replica: CPU per token and its share of the tokens (the router's ``ppd_relayed_tokens_total``).
 
+``picker`` is `graphs/ppd.yaml`, PPD off the token path: a gateway calls the endpoint picker over
+ext_proc and Dynamo's frontend carries every token; ``gateway`` is the same graph with the
+gateway in pass-through and no picker. For these, PPD's own processes (picker, gateway) are shown
+per token beside the relay router and Dynamo's frontend, in total and less their idle CPU.
+
 The load is the paper's decode-heavy synthetic ``syn-a-in32-out512`` (2-turn conversations: turn 1
 512 prompt tokens -> 128, turn 2 appends 32 -> 512; no think time), Poisson at ``--rate`` conv/s
 for ``--duration`` s. Tokens are counted from the client: every answer asks for exactly
@@ -50,9 +55,17 @@ from .cpu import process_cpu_s, thread_cpu_s
 WORKLOAD = "syn-a-in32-out512"
 FIRST_TURN = (512, 128)  # (user tokens, max tokens)
 FOLLOW_UP = (32, 512)
-SYSTEMS = ("ppd", "ppd-lean", "relay", "relay-pd", "pd")
-# The relay process(es), by label prefix.
-RELAY_LABEL = {"ppd": "router", "ppd-lean": "router", "relay": "router", "relay-pd": "router", "pd": None}
+SYSTEMS = ("ppd", "ppd-lean", "relay", "relay-pd", "pd", "picker", "gateway")
+# The relay process(es), by label prefix; for ``picker`` (the endpoint picker of `graphs/ppd.yaml`,
+# which relays nothing) the process whose CPU is compared with the relays'.
+RELAY_LABEL = {"ppd": "router", "ppd-lean": "router", "relay": "router", "relay-pd": "router", "pd": None,
+               "picker": "picker", "gateway": None}
+# picker: `graphs/ppd.yaml` (gateway -> ext_proc picker; Dynamo's frontend carries the tokens).
+# gateway: the same graph with the gateway in pass-through and no picker, so the frontend's own
+# KV routing and always-bypass conditional disaggregation route every turn: what the picker's
+# callout adds is the difference.
+GATEWAY_SYSTEMS = ("picker", "gateway")
+IDLE_S = 3.0  # seconds of no load before each run: every process's idle CPU, subtracted per request
 # ppd-lean: the PPD router without the two subscriptions whose cost follows the workers' activity
 # rather than the tokens relayed (what each gives up: `python -m dynamo_ppd.router --help`).
 LEAN_ROUTER_ARGS = ["--no-load-reports", "--no-residency-recovery"]
@@ -138,10 +151,19 @@ class Run:
     # "python", Dynamo's Rust runtime "tokio-rt-worker", gRPC's threads): where the CPU goes.
     threads_cpu_s: dict[str, dict[str, float]] = field(default_factory=dict)
     workers: str = "simulated"  # the workers behind the relay (`WORKERS`)
+    # Each process's CPU seconds per second with no load (`IDLE_S` before the run): its
+    # subscriptions and timers, which the per-request figures subtract.
+    idle_cpu_per_s: dict[str, float] = field(default_factory=dict)
 
     def us_per_token(self, prefix: str) -> float:
         """CPU us per relayed token of the processes whose label starts with ``prefix``."""
         cpu = sum(v for k, v in self.cpu_s.items() if _labelled(k, prefix))
+        return cpu / self.tokens * 1e6 if self.tokens else float("nan")
+
+    def busy_us_per_token(self, prefix: str) -> float:
+        """CPU us per token of ``prefix``'s processes less what they burn idle: the per-request work."""
+        cpu = sum(v - self.idle_cpu_per_s.get(k, 0.0) * self.wall_s for k, v in self.cpu_s.items()
+                  if _labelled(k, prefix))
         return cpu / self.tokens * 1e6 if self.tokens else float("nan")
 
     def relay_us_per_token(self) -> float | None:
@@ -164,9 +186,31 @@ def _mocker_graph(system: str, workdir: Path) -> str:
     return str(path)
 
 
+def _passthrough_gateway_graph(workdir: Path) -> str:
+    """`graphs/ppd.yaml` without its picker: the gateway in pass-through, written under ``workdir``."""
+    graph, _ = load_graph("ppd")
+    components = []
+    for c in graph.components:
+        if c.name == "picker":
+            continue
+        if c.name == "gateway":
+            at = c.command.index("--picker")
+            c = msgspec.structs.replace(c, command=c.command[:at] + c.command[at + 2:])
+        components.append(c)
+    path = workdir / "ppd-gateway-passthrough.yaml"
+    path.write_bytes(msgspec.yaml.encode(msgspec.structs.replace(
+        graph, name="ppd-gateway", components=components,
+        description="the ppd graph's gateway in pass-through, no picker (bench relay)")))
+    return str(path)
+
+
 def _graph(system: str, workdir: Path, workers: str = "simulated") -> str:
     if workers == "mocker":
         return _mocker_graph(system, workdir)
+    if system == "picker":
+        return "ppd"
+    if system == "gateway":
+        return _passthrough_gateway_graph(workdir)
     if system.startswith("ppd"):
         return ppd_graph_with_mode("ppd", workdir)
     return "relay" if system == "relay-pd" else system
@@ -178,13 +222,15 @@ def _up(system: str, replicas: int, workdir: Path, tag: str, worker_speedup: flo
     arrive faster than one relay process forwards them one by one: the relay is the bottleneck,
     as on GPUs, instead of the workers sharing its cores. ``workers="mocker"``: Dynamo's mocker
     instead (`_mocker_graph`; ``worker_speedup`` is its --speedup-ratio)."""
-    extra = {"router": replicas} if RELAY_LABEL[system] else {}
+    label = RELAY_LABEL[system]
+    extra = {label: replicas} if label else {}
     if workers == "mocker":
         args = {"decode": ["--speedup-ratio", f"{worker_speedup:g}"],
                 "router": MOCKER_RELAY_ARGS["ppd" if system.startswith("ppd") else system]}
     else:
         # The PPD router is told too, so its rate and learned latencies stay on the workers' clock.
-        sped = ("prefill", "decode", "router") if system.startswith("ppd") else ("prefill", "decode")
+        sped = (("prefill", "decode", "router") if system.startswith("ppd") else
+                ("prefill", "decode", "picker") if system == "picker" else ("prefill", "decode"))
         args = {c: ["--speedup", f"{worker_speedup:g}"] for c in sped} if worker_speedup != 1 else {}
     own = {"ppd-lean": LEAN_ROUTER_ARGS, "relay-pd": RELAY_PD_ARGS}.get(system)
     if own:
@@ -207,6 +253,9 @@ def measure_load(system: str, replicas: int, rate: float, duration_s: float, wor
     dep = _up(system, replicas, workdir, tag, worker_speedup, workers)
     try:
         _warm_up(dep)
+        idle_before = _cpu_by_label(dep)
+        time.sleep(IDLE_S)
+        idle = {k: (v - idle_before[k]) / IDLE_S for k, v in _cpu_by_label(dep).items() if k in idle_before}
         tokens_before, chunks_before = _relayed(dep), _relayed(dep, "chunks")
         before, threads_before = _cpu_by_label(dep), _threads_by_label(dep, system)
         started = time.monotonic()
@@ -229,7 +278,7 @@ def measure_load(system: str, replicas: int, rate: float, duration_s: float, wor
                threads_cpu_s={label: {name: cpu - threads_before.get(label, {}).get(name, 0.0)
                                       for name, cpu in threads.items()}
                               for label, threads in threads_after.items()},
-               workers=workers)
+               workers=workers, idle_cpu_per_s=idle)
 
 
 def _ttft_ms(client: httpx.Client, base_url: str, model: str, messages: list[dict], max_tokens: int,
@@ -319,6 +368,44 @@ def paired_ratios(runs: list[Run], base: str = "relay") -> list[str]:
     return out
 
 
+def gateway_table(runs: list[Run]) -> list[str]:
+    """PPD's own processes per token beside Dynamo's frontend: total, and less their idle CPU (the
+    per-request work), and the endpoint picker's over the relay router's (``ppd``) in the same round."""
+    shown = [r for r in runs if r.system in (*GATEWAY_SYSTEMS, "ppd", "ppd-lean") and r.tokens]
+    if not shown or not any(r.system in GATEWAY_SYSTEMS for r in shown):
+        return []
+    out = ["", "PPD's own processes and Dynamo's frontend, CPU us per token, total / less idle (mean "
+           "[min-max] over repeats; idle: each process's CPU with no load, for "
+           f"{IDLE_S:g} s before each run):", "",
+           "| system | conv/s | relay router | endpoint picker | gateway | frontend |",
+           "|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, float], list[Run]] = {}
+    for run in shown:
+        groups.setdefault((run.system, run.rate), []).append(run)
+
+    def cell(group: list[Run], prefix: str) -> str:
+        if not any(_labelled(k, prefix) for r in group for k in r.cpu_s):
+            return "-"
+        return (f"{_spread([r.us_per_token(prefix) for r in group])} / "
+                f"{_spread([r.busy_us_per_token(prefix) for r in group])}")
+
+    for (system, rate), group in groups.items():
+        out.append(f"| {system} | {rate:g} | {cell(group, 'router')} | {cell(group, 'picker')} | "
+                   f"{cell(group, 'gateway')} | {cell(group, 'frontend')} |")
+    rounds: dict[tuple[float, int], dict[str, Run]] = {}
+    for run in shown:
+        rounds.setdefault((run.rate, run.round), {})[run.system] = run
+    ratios = [(r["picker"].us_per_token("picker") / r["ppd"].us_per_token("router"),
+               r["picker"].busy_us_per_token("picker") / r["ppd"].busy_us_per_token("router"))
+              for r in rounds.values() if "picker" in r and "ppd" in r]
+    if ratios:
+        total, busy = zip(*ratios, strict=True)
+        out += ["", f"Endpoint picker over the relay router, same round ({len(ratios)} rounds): total "
+                f"{statistics.mean(total):.3f} [{min(total):.3f}-{max(total):.3f}], per-request work "
+                f"{statistics.mean(busy):.3f} [{min(busy):.3f}-{max(busy):.3f}]."]
+    return out
+
+
 MAIN_THREAD, RUNTIME_THREAD = "python", "tokio-rt-worker"  # Linux thread names (comm, 15 chars)
 
 
@@ -379,6 +466,7 @@ def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) ->
                    f"{_spread([r.us_per_token('frontend') for r in group])} | "
                    f"{_spread([r.us_per_token('decode') for r in group])} | "
                    f"{max(r.lag_p99_ms for r in group):.0f} |")
+    out += gateway_table(runs)
     out += thread_breakdown(runs)
     out += paired_ratios(runs)
     if any(r.system == "relay-pd" for r in runs):  # what the PPD router costs over its own routes

@@ -35,6 +35,8 @@ from .results import Sample, by_conversation
 
 SIM_POLICY = {"pd": "x0", "cond-disagg": "dynamo-isl-or-load-ours", "ppd": "ppd@1", "local": "x1",
               "agg": "replicas"}
+# The relay router's systems decide as the endpoint picker's do: one twin each.
+SAME_TWIN = {"ppd-relay": "ppd", "local-relay": "local"}
 NO_HORIZON_S = 3600.0  # a run without a horizon still stops here (model seconds)
 SIZING_ROUNDS = 3
 
@@ -56,6 +58,7 @@ def sim_router(profile, config: str, system: str, seed: int = 0):
     from ..policy.table import Weights, bundled_table, load_table, reweight
     from .policies import router_for
 
+    system = SAME_TWIN.get(system, system)
     if system == "ppd" and not bundled_table(config).is_file():
         return config, PolicyRouter(Policy(PolicyConfig(Mode.PPD, w_ttft=1.0, w_tpot=1.0),
                                            ProfilePredictor(profile)))

@@ -6,7 +6,8 @@ Faults (each on its own graph so one cannot colour the next):
 - ``decode-kill``: SIGKILL the decode worker with the most requests in flight (its Dynamo system
   metrics), or ``--target``; the supervisor starts it again (empty KV cache, new instance id);
 - ``prefill-kill``: the same for a prefill worker, on 2P2D by default;
-- ``router-restart``: SIGTERM one of two router replicas and start it again (a rolling restart);
+- ``router-restart``: SIGTERM one of two replicas of the graph's routing component (the relay
+  router of ``ppd-relay``, the endpoint picker of ``ppd``) and start it again (a rolling restart);
 - ``etcd-restart``: SIGTERM etcd and start it again on the same data directory;
 - ``nats-restart``: SIGTERM nats-server and start it again (same JetStream store directory).
 """
@@ -36,7 +37,7 @@ FAULTS = ("decode-kill", "prefill-kill", "router-restart", "etcd-restart", "nats
 FAULT_REPLICAS: dict[str, dict[str, int]] = {
     "decode-kill": {},
     "prefill-kill": {"prefill": 2, "decode": 2},
-    "router-restart": {"router": 2},
+    "router-restart": {"router": 2},  # the picker's on a graph with one (`_layout`)
     "etcd-restart": {},
     "nats-restart": {},
 }
@@ -44,7 +45,7 @@ FAULT_REPLICAS: dict[str, dict[str, int]] = {
 
 @dataclass
 class RunSettings:
-    graph: str = "ppd-relay"
+    graph: str = "ppd"
     rate: float = 2.0
     duration_s: float = 90.0  # arrivals; no turn is sent after it
     fault_at_s: float = 45.0
@@ -135,8 +136,8 @@ def choose_target(dep: Deployment, kind: str, named: str | None,
         busiest = max(labels, key=lambda label: load[label])
         return busiest, load[busiest]
     if kind == "router-restart":
-        label = dep.labels("router")[0]
-        return label, inflight(dep, label)
+        label = (dep.labels("router") or dep.labels(ROUTING_COMPONENTS[1]))[0]
+        return label, inflight(dep, label) if dep.process(label).env.get("DYN_SYSTEM_PORT") else None
     return ("etcd" if kind == "etcd-restart" else "nats-server"), None
 
 
@@ -205,8 +206,24 @@ async def _play_with_fault(dep: Deployment, manifest: Manifest, settings: RunSet
     return records, fault[0], counter_delta(snapshots[0], snapshots[1])
 
 
+ROUTING_COMPONENTS = ("router", "picker")  # the relay router's graphs, the endpoint picker's
+
+
+def _layout(kind: str, graph: str) -> dict[str, int]:
+    """The fault's replica counts on ``graph``: ``router-restart`` doubles whichever routing
+    component the graph has."""
+    from ..launch.graph import load_graph
+
+    layout = dict(FAULT_REPLICAS[kind])
+    if "router" in layout:
+        names = {c.name for c in load_graph(graph)[0].components}
+        if "router" not in names and ROUTING_COMPONENTS[1] in names:
+            layout[ROUTING_COMPONENTS[1]] = layout.pop("router")
+    return layout
+
+
 def run_fault(kind: str, settings: RunSettings, manifest: Manifest) -> tuple[FaultResult, list[TurnRecord]]:
-    replicas = {**FAULT_REPLICAS[kind], **settings.replicas}
+    replicas = {**_layout(kind, settings.graph), **settings.replicas}
     layout = ",".join(f"{k}={v}" for k, v in replicas.items()) or "graph defaults"
     run_dir = settings.run_root / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     _say(f"{kind}: bringing up {settings.graph} ({layout}, supervised), logs in {run_dir}/logs")
@@ -215,8 +232,9 @@ def run_fault(kind: str, settings: RunSettings, manifest: Manifest) -> tuple[Fau
                 log=lambda m: None)
     try:
         counts = {c.name: c.replicas for c in dep.graph.components}
+        routing = "router" if "router" in counts else ROUTING_COMPONENTS[1]
         graph = f"{counts.get('prefill', 0)}P{counts.get('decode', 0)}D" + (
-            f", {counts['router']} routers" if counts.get("router", 1) > 1 else "")
+            f", {counts[routing]} {routing}s" if counts.get(routing, 1) > 1 else "")
         progress = _Progress(kind)
         _say(f"{kind}: playing {len(manifest.conversations)} conversations over {settings.duration_s:.0f} s "
              f"at {settings.rate:g} conv/s; fault at {settings.fault_at_s:.0f} s")

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faults", type=comma_choices("fault", FAULTS, separator=","),
                         default=list(FAULTS),
                         help=f"comma-separated, from {','.join(FAULTS)}; one fresh graph each")
-    parser.add_argument("--graph", default="ppd-relay", help="graph name or YAML path (as for serve)")
+    parser.add_argument("--graph", default="ppd", help="graph name or YAML path (as for serve)")
     parser.add_argument("--replicas", type=replica_counts, default={},
                         help="replica counts over each fault's layout (default layouts: "
                         + "; ".join(f"{k}: {v or 'graph'}" for k, v in FAULT_REPLICAS.items()) + ")")
