@@ -48,7 +48,7 @@ class FakeMetrics:
     def __init__(self):
         self.outcomes: list[str] = []
 
-    def observe(self, outcome: str, seconds: float) -> None:
+    def observe(self, outcome: str, seconds: float, cpu_s: float = 0.0) -> None:
         self.outcomes.append(outcome)
 
 

@@ -23,6 +23,7 @@ from dynamo_ppd.router.planner import (
     TurnView,
     WorkersView,
     follow_up_turn,
+    served_home,
     plan,
     rehome,
 )
@@ -181,3 +182,14 @@ def test_without_etcd_a_header_is_a_follow_up_when_a_decode_worker_holds_most_of
     assert follow_up_turn({D1: 1984, D2: 0}, PROMPT, 0.5) == 2
     assert follow_up_turn({D1: 640}, PROMPT, 0.5) == 1
     assert follow_up_turn({}, PROMPT, 0.5) == 1
+
+
+def test_a_session_served_elsewhere_is_homed_where_its_history_is():
+    # Behind the endpoint picker the frontend picks the decode worker of a turn it does not pin:
+    # the session recorded D1, but D2 holds the history, so D2 served it.
+    record = follow_up(decode=D1).record
+    assert record is not None
+    assert served_home(record, cluster({D1: 0, D2: 1984})) == D2
+    assert served_home(record, cluster({D1: 1984, D2: 1984})) == D1  # a tie keeps the record's
+    assert served_home(record, cluster({D1: 64, D2: 32})) == D1
+    assert served_home(record, cluster({D2: 1984}, decode=(D2,))) == D1  # gone: the plan re-homes it

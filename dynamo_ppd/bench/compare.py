@@ -242,7 +242,8 @@ def compare(systems: list[str], workload: str | None, manifest_path: Path | None
                     # The decisions the live point made, read off its workers before they stop.
                     ports = [int(p.env["DYN_SYSTEM_PORT"]) for p in dep.processes()
                              if p.env.get("DYN_SYSTEM_PORT")]
-                    points.append(msgspec.structs.replace(point, routes=routes.scrape(ports)))
+                    points.append(msgspec.structs.replace(point, routes=routes.scrape(ports),
+                                                          routing=routes.routing_counts(dep.metrics_urls)))
                 finally:
                     dep.stop()
                 write(results, out_dir, quiet=True)  # a partial report survives an interrupted run

@@ -129,6 +129,17 @@ def _relayed(dep, what: str = "tokens") -> dict[str, float]:
     return out
 
 
+def _pick_cpu_s(dep) -> float:
+    """The endpoint pickers' CPU inside their per-request work (``ppd_picker_pick_cpu_seconds``)."""
+    total = 0.0
+    for label, url in dep.metrics_urls.items():
+        if label.startswith("picker"):
+            for line in httpx.get(url, timeout=10).text.splitlines():
+                if line.startswith("ppd_picker_pick_cpu_seconds_total "):
+                    total += float(line.split()[1])
+    return total
+
+
 @dataclass
 class Run:
     """One system at one load: CPU seconds per process over the run, tokens relayed."""
@@ -154,6 +165,7 @@ class Run:
     # Each process's CPU seconds per second with no load (`IDLE_S` before the run): its
     # subscriptions and timers, which the per-request figures subtract.
     idle_cpu_per_s: dict[str, float] = field(default_factory=dict)
+    pick_cpu_s: float = 0.0  # the endpoint pickers' CPU inside their per-request work (`_pick_cpu_s`)
 
     def us_per_token(self, prefix: str) -> float:
         """CPU us per relayed token of the processes whose label starts with ``prefix``."""
@@ -257,12 +269,14 @@ def measure_load(system: str, replicas: int, rate: float, duration_s: float, wor
         time.sleep(IDLE_S)
         idle = {k: (v - idle_before[k]) / IDLE_S for k, v in _cpu_by_label(dep).items() if k in idle_before}
         tokens_before, chunks_before = _relayed(dep), _relayed(dep, "chunks")
+        pick_before = _pick_cpu_s(dep)
         before, threads_before = _cpu_by_label(dep), _threads_by_label(dep, system)
         started = time.monotonic()
         results = asyncio.run(run_manifest(dep.base_url, manifest, seed=seed))
         wall = time.monotonic() - started
         after, threads_after = _cpu_by_label(dep), _threads_by_label(dep, system)
         tokens_after, chunks_after = _relayed(dep), _relayed(dep, "chunks")
+        pick_cpu = _pick_cpu_s(dep) - pick_before
     finally:
         dep.stop()
     by_key = {(c.conversation_id, i + 1): t.max_tokens for c in manifest.conversations
@@ -278,7 +292,7 @@ def measure_load(system: str, replicas: int, rate: float, duration_s: float, wor
                threads_cpu_s={label: {name: cpu - threads_before.get(label, {}).get(name, 0.0)
                                       for name, cpu in threads.items()}
                               for label, threads in threads_after.items()},
-               workers=workers, idle_cpu_per_s=idle)
+               workers=workers, idle_cpu_per_s=idle, pick_cpu_s=pick_cpu)
 
 
 def _ttft_ms(client: httpx.Client, base_url: str, model: str, messages: list[dict], max_tokens: int,
@@ -396,13 +410,21 @@ def gateway_table(runs: list[Run]) -> list[str]:
     for run in shown:
         rounds.setdefault((run.rate, run.round), {})[run.system] = run
     ratios = [(r["picker"].us_per_token("picker") / r["ppd"].us_per_token("router"),
-               r["picker"].busy_us_per_token("picker") / r["ppd"].busy_us_per_token("router"))
+               r["picker"].busy_us_per_token("picker") / r["ppd"].busy_us_per_token("router"),
+               r["picker"].pick_cpu_s / r["picker"].tokens * 1e6 / r["ppd"].us_per_token("router"))
               for r in rounds.values() if "picker" in r and "ppd" in r]
+    picks = [r.pick_cpu_s / r.tokens * 1e6 for r in shown if r.system == "picker"]
+    if picks:
+        out += ["", f"The endpoint picker's per-request work proper (its event loop's CPU inside the "
+                f"pick: parse, tokenize, plan, record): {_spread(picks)} us per token."]
     if ratios:
-        total, busy = zip(*ratios, strict=True)
-        out += ["", f"Endpoint picker over the relay router, same round ({len(ratios)} rounds): total "
-                f"{statistics.mean(total):.3f} [{min(total):.3f}-{max(total):.3f}], per-request work "
-                f"{statistics.mean(busy):.3f} [{min(busy):.3f}-{max(busy):.3f}]."]
+        def spread(xs: tuple[float, ...]) -> str:
+            return f"{statistics.mean(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
+
+        total, busy, pick = zip(*ratios, strict=True)
+        out += ["", f"Endpoint picker over the relay router (`ppd`), CPU per token in the same round "
+                f"({len(ratios)} rounds): whole process {spread(total)}; less idle {spread(busy)}; "
+                f"the pick alone {spread(pick)}."]
     return out
 
 

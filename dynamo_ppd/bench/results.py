@@ -85,6 +85,10 @@ class Point(msgspec.Struct, frozen=True):
     routes: dict[str, int] = {}  # requests the workers answered, by route (`bench.routes`)
     sim_routes: dict[str, int] | None = None  # the same in the simulation
     note: str = ""  # why the point is not what was asked for (e.g. its interval is too wide)
+    # The routing process's own counts (PPD systems): follow-up decisions, and how many found
+    # their history on another decode worker than the one the planner had chosen
+    # (`ppd_decode_divergence_total`: behind the endpoint picker, Dynamo's frontend chose it).
+    routing: dict[str, float] = {}
 
 
 def samples_of(results: list[RequestResult]) -> list[Sample]:
@@ -248,6 +252,21 @@ def markdown(results: BenchResults, baseline: str = "pd",
             f"{_x(ratio(p, p, 'tpot', b_sim=True))} | {_shares(p)} | {p.client_lag_ms.p99:.2f} ms "
             f"({p.client_lag_ms.p99 * p.dilation:.1f}) | {_cores(p.cpu_cores)} | "
             f"{'-' if p.load_avg is None else f'{p.load_avg:.1f}'} | {p.note} |")
+    routed = [p for p in points if p.routing]
+    if routed:
+        lines += ["", "The PPD routing processes' own counts: follow-up decisions, and those whose history "
+                  "was on another decode worker than the planner had chosen (behind the endpoint picker, "
+                  "Dynamo's frontend picks the decode worker of every turn it does not pin).", "",
+                  "| system | QPS | follow-ups decided | decode-local | via prefill "
+                  "| on another decode worker | residency misses |", "|---|---|---|---|---|---|---|"]
+        for p in routed:
+            r = p.routing
+            follow = sum(v for k, v in r.items() if k.startswith("follow_up:"))
+            diverged = r.get("ppd_decode_divergence_total", 0.0)
+            share = f" ({diverged / follow:.1%})" if follow else ""
+            local, via = r.get("follow_up:decode_local", 0), r.get("follow_up:via_prefill", 0)
+            lines.append(f"| {p.system} | {p.qps:g} | {follow:.0f} | {local:.0f} | {via:.0f} | "
+                         f"{diverged:.0f}{share} | {r.get('ppd_residency_misses_total', 0):.0f} |")
     return "\n".join(lines)
 
 

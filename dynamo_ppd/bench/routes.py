@@ -59,3 +59,30 @@ def local_share(routes: Mapping[str, int] | None) -> float | None:
         return None
     local, via = routes.get("decode_local", 0), routes.get("via_prefill", 0)
     return local / (local + via) if local + via else None
+
+
+ROUTING_COUNTERS = ("ppd_decode_divergence_total", "ppd_residency_misses_total", "ppd_rehomes_total")
+
+
+def routing_counts(metrics_urls: Mapping[str, str], timeout_s: float = 5.0) -> dict[str, float]:
+    """The PPD routing processes' (relay routers', endpoint pickers') counts, summed: follow-up
+    decisions by route (``follow_up:<route>``) and `ROUTING_COUNTERS`; {} for other systems."""
+    out: dict[str, float] = {}
+    with httpx.Client(timeout=timeout_s) as client:
+        for label, url in metrics_urls.items():
+            if not label.startswith(("router", "picker")):
+                continue
+            try:
+                text = client.get(url).text
+            except httpx.HTTPError:
+                continue
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    key = None
+                    if sample.name in ROUTING_COUNTERS:
+                        key = sample.name
+                    elif sample.name == "ppd_decisions_total" and sample.labels.get("turn") == "follow_up":
+                        key = f"follow_up:{sample.labels.get('route')}"
+                    if key is not None:
+                        out[key] = out.get(key, 0.0) + sample.value
+    return dict(sorted(out.items()))
