@@ -123,3 +123,13 @@ def test_reanalyze_recomputes_a_report_from_its_records(tmp_path):
     assert result.router_counters == {"ppd_rehomes_total": 3.0}  # measured, not recomputable: kept
     text = out.with_suffix(".md").read_text()
     assert "| etcd-restart | 1P3D | etcd |" in text and text.endswith("my notes\n")
+
+
+def test_the_settled_share_counts_follow_ups_sent_ten_seconds_after_the_target_was_back():
+    # Killed at 20 s, back 2 s later: follow-ups sent from 32 s on are the settled ones.
+    records = [turn(t, local=t < 20 or t >= 31) for t in range(0, 40)]
+    result = analyze(records, Fault("picker-kill", "picker", 20.0, back_after_s=2.0))
+    assert (result.decode_local_settled, result.follow_ups_settled) == (1.0, 8)  # 32..39
+    assert "10 s or more after picker was back: 100% decode-local (8)" in markdown([result])
+    late = analyze(records, Fault("picker-kill", "picker", 20.0, back_after_s=11.5))
+    assert late.follow_ups_settled == 0 and late.decode_local_settled is None

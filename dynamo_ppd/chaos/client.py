@@ -62,19 +62,22 @@ def turn_status(answer: _Answer, max_tokens: int, e2e_s: float) -> tuple[str, in
 
 async def play(url: str, manifest: Manifest, t0: float, seed: int = 0,
                on_record: Callable[[TurnRecord], None] | None = None,
-               stop_sending_s: float | None = None) -> list[TurnRecord]:
+               stop_sending_s: float | None = None, system_tokens: int = 0) -> list[TurnRecord]:
     """Play ``manifest`` against ``url``; times are from ``t0`` (time.monotonic()). No turn is sent
-    after ``stop_sending_s`` (the run's end), so a long conversation cannot stretch it."""
+    after ``stop_sending_s`` (the run's end), so a long conversation cannot stretch it.
+    ``system_tokens``: every conversation opens with the same system prompt of about this many
+    tokens (users of one application sharing its instructions)."""
     url = url.rstrip("/")
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     records: list[TurnRecord] = []
     async with httpx.AsyncClient(limits=limits, timeout=CHAOS_TIMEOUT_S) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         text = TokenText(seed)
+        system = [{"role": "system", "content": TokenText(seed + 1)(system_tokens)}] if system_tokens else []
 
         async def conversation(conv: ManifestConversation) -> None:
             session = f"chaos-{seed}-{conv.conversation_id}-{time.time_ns()}"
-            messages: list[dict] = []
+            messages: list[dict] = list(system)
             due = conv.arrival_s
             prev_prompt: int | None = None
             for index, turn in enumerate(conv.turns, start=1):

@@ -82,6 +82,14 @@ class FaultResult(msgspec.Struct, frozen=True):
     # The routers' counters from the fault to the end of the run (summed over replicas):
     # migrations, residency misses, re-homes, errors, follow-up decisions by route and reason.
     router_counters: dict[str, float] = {}
+    # Share of follow-ups sent `SETTLE_S` or more after the target was back (and how many): where
+    # a restarted routing process must be routing as before.
+    decode_local_settled: float | None = None
+    follow_ups_settled: int = 0
+
+
+SETTLE_S = 10.0
+SETTLED_FAULTS = ("picker-kill", "router-restart")  # the report says their settled share
 
 
 class ChaosReport(msgspec.Struct):
@@ -140,6 +148,8 @@ def analyze(records: list[TurnRecord], fault: Fault, *, window_s: float = 20.0,
                 break
             t += step_s
     share_after, n_after = _share([r for r in records if r.sent_s >= fault.at_s + (recovery_s or 0.0)])
+    settled_from = fault.at_s + (fault.back_after_s or 0.0) + SETTLE_S
+    share_settled, n_settled = _share([r for r in records if r.sent_s >= settled_from])
 
     errors: list[str] = []
     for r in records:
@@ -153,7 +163,8 @@ def analyze(records: list[TurnRecord], fault: Fault, *, window_s: float = 20.0,
         ttft_p99_before_s=ttft_before, ttft_p99_after_s=ttft_after,
         added_ttft_p99_s=None if ttft_before is None or ttft_after is None else ttft_after - ttft_before,
         decode_local_before=share_before, decode_local_after=share_after,
-        follow_ups_before=n_before, follow_ups_after=n_after, recovery_s=recovery_s, errors=errors)
+        follow_ups_before=n_before, follow_ups_after=n_after, recovery_s=recovery_s, errors=errors,
+        decode_local_settled=share_settled, follow_ups_settled=n_settled)
 
 
 def counter_delta(before: dict[str, dict[str, float]],
@@ -199,6 +210,9 @@ def markdown(results: list[FaultResult]) -> str:
                           for k, v in r.router_counters.items())
               for r in results if r.router_counters]
     notes += [f"- {r.kind}: errors seen: {'; '.join(r.errors)}" for r in results if r.errors]
+    notes += [f"- {r.kind}: follow-ups sent {SETTLE_S:g} s or more after {r.target} was back: "
+              f"{_pct(r.decode_local_settled)} decode-local ({r.follow_ups_settled})"
+              for r in results if r.kind in SETTLED_FAULTS and r.follow_ups_settled]
     return "\n".join(rows) + ("\n\n" + "\n".join(notes) if notes else "")
 
 

@@ -8,6 +8,9 @@ Faults (each on its own graph so one cannot colour the next):
 - ``prefill-kill``: the same for a prefill worker, on 2P2D by default;
 - ``router-restart``: SIGTERM one of two replicas of the graph's routing component (the relay
   router of ``ppd-relay``, the endpoint picker of ``ppd``) and start it again (a rolling restart);
+- ``picker-kill``: SIGKILL the endpoint picker (the `ppd` graph; with one replica, the gateway
+  fails open to Dynamo's frontend meanwhile); the supervisor starts it again. Not in the default
+  set: its figure is the decode-local share once the picker is back (`report.SETTLE_S`);
 - ``etcd-restart``: SIGTERM etcd and start it again on the same data directory;
 - ``nats-restart``: SIGTERM nats-server and start it again (same JetStream store directory).
 """
@@ -26,12 +29,14 @@ from pathlib import Path
 import msgspec
 
 from ..launch import Deployment, ServeOptions, start
+from ..launch.graph import load_graph
 from ..launch.process import free_port
 from ..workloads.manifest import Manifest
 from .client import play
 from .report import Fault, FaultResult, TurnRecord, analyze, counter_delta
 
-FAULTS = ("decode-kill", "prefill-kill", "router-restart", "etcd-restart", "nats-restart")
+FAULTS = ("decode-kill", "prefill-kill", "router-restart", "etcd-restart", "nats-restart", "picker-kill")
+DEFAULT_FAULTS = FAULTS[:5]
 
 # The layout each fault runs on (over the graph's own counts; --replicas overrides).
 FAULT_REPLICAS: dict[str, dict[str, int]] = {
@@ -40,6 +45,7 @@ FAULT_REPLICAS: dict[str, dict[str, int]] = {
     "router-restart": {"router": 2},  # the picker's on a graph with one (`_layout`)
     "etcd-restart": {},
     "nats-restart": {},
+    "picker-kill": {},
 }
 
 
@@ -58,6 +64,8 @@ class RunSettings:
     recovery_window_s: float = 10.0
     tolerance: float = 0.05
     run_root: Path = Path("runs/chaos")
+    mode: str | None = None  # the routing component's --mode (relay router or picker); None: the graph's
+    system_tokens: int = 0  # a system prompt of this many tokens, the same in every conversation
 
 
 def _say(message: str) -> None:
@@ -135,6 +143,11 @@ def choose_target(dep: Deployment, kind: str, named: str | None,
         _say(f"  requests in flight: {', '.join(f'{k} {v:g}' for k, v in load.items())}")
         busiest = max(labels, key=lambda label: load[label])
         return busiest, load[busiest]
+    if kind == "picker-kill":
+        labels = dep.labels(ROUTING_COMPONENTS[1])
+        if not labels:
+            raise ValueError("the graph has no endpoint picker to kill (use --graph ppd)")
+        return labels[0], None
     if kind == "router-restart":
         label = (dep.labels("router") or dep.labels(ROUTING_COMPONENTS[1]))[0]
         return label, inflight(dep, label) if dep.process(label).env.get("DYN_SYSTEM_PORT") else None
@@ -200,7 +213,7 @@ async def _play_with_fault(dep: Deployment, manifest: Manifest, settings: RunSet
 
     faulting = asyncio.create_task(fault_task())
     records = await play(dep.base_url, manifest, t0, seed=settings.seed, on_record=progress,
-                         stop_sending_s=settings.duration_s)
+                         stop_sending_s=settings.duration_s, system_tokens=settings.system_tokens)
     await faulting
     snapshots.append(await asyncio.to_thread(router_counters, dep))
     return records, fault[0], counter_delta(snapshots[0], snapshots[1])
@@ -212,8 +225,6 @@ ROUTING_COMPONENTS = ("router", "picker")  # the relay router's graphs, the endp
 def _layout(kind: str, graph: str) -> dict[str, int]:
     """The fault's replica counts on ``graph``: ``router-restart`` doubles whichever routing
     component the graph has."""
-    from ..launch.graph import load_graph
-
     layout = dict(FAULT_REPLICAS[kind])
     if "router" in layout:
         names = {c.name for c in load_graph(graph)[0].components}
@@ -227,8 +238,13 @@ def run_fault(kind: str, settings: RunSettings, manifest: Manifest) -> tuple[Fau
     layout = ",".join(f"{k}={v}" for k, v in replicas.items()) or "graph defaults"
     run_dir = settings.run_root / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     _say(f"{kind}: bringing up {settings.graph} ({layout}, supervised), logs in {run_dir}/logs")
+    extra = {}
+    if settings.mode:
+        names = {c.name for c in load_graph(settings.graph)[0].components}
+        extra = {c: ["--mode", settings.mode] for c in ROUTING_COMPONENTS if c in names}
     dep = start(ServeOptions(graph=settings.graph, http_port=free_port(), nats_port=free_port(),
-                             etcd_port=free_port(), run_dir=run_dir, replicas=replicas, supervise=True),
+                             etcd_port=free_port(), run_dir=run_dir, replicas=replicas, supervise=True,
+                             extra_args=extra),
                 log=lambda m: None)
     try:
         counts = {c.name: c.replicas for c in dep.graph.components}

@@ -11,7 +11,8 @@ import msgspec
 from ..argtypes import cli_error
 from ..chaos import experiment
 from ..chaos.report import reanalyze
-from ..chaos.run import FAULT_REPLICAS, FAULTS, RunSettings
+from ..chaos.run import DEFAULT_FAULTS, FAULT_REPLICAS, FAULTS, RunSettings
+from ..policy.decision import Mode
 
 DESCRIPTION = (
     "Bring up a supervised graph (default ppd, 1P3D; 2P2D for prefill-kill, two router replicas for "
@@ -29,8 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..argtypes import comma_choices, replica_counts
 
     parser.add_argument("--faults", type=comma_choices("fault", FAULTS, separator=","),
-                        default=list(FAULTS),
+                        default=list(DEFAULT_FAULTS),
                         help=f"comma-separated, from {','.join(FAULTS)}; one fresh graph each")
+    parser.add_argument("--mode", choices=[m.value for m in Mode],
+                        help="the routing component's --mode (the picker's or the relay router's); "
+                        "default: the graph's")
+    parser.add_argument("--system-tokens", type=int, default=0,
+                        help="every conversation opens with the same system prompt of about this many "
+                        "tokens (0: none)")
     parser.add_argument("--graph", default="ppd", help="graph name or YAML path (as for serve)")
     parser.add_argument("--replicas", type=replica_counts, default={},
                         help="replica counts over each fault's layout (default layouts: "
@@ -80,6 +87,8 @@ def main(args: argparse.Namespace) -> int:
 
     if not 0 < args.fault_at < args.duration:
         return cli_error("--fault-at must be inside the run (0 < --fault-at < --duration)")
+    if args.system_tokens < 0:
+        return cli_error("--system-tokens must be 0 (none) or a positive token count")
     try:
         manifest = make_workload(args.workload, args.qps, args.duration, args.seed)
     except (UnknownWorkload, ValueError) as exc:
@@ -89,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
                            replicas=args.replicas, target=args.target, aim_s=args.aim,
                            window_s=args.window,
                            recovery_window_s=args.recovery_window, tolerance=args.tolerance,
-                           run_root=args.run_root)
+                           run_root=args.run_root, mode=args.mode, system_tokens=args.system_tokens)
     command = " ".join(["dynamo-ppd", "chaos", *(sys.argv[2:] if sys.argv[1:2] == ["chaos"] else [])])
     report, records = experiment.run_faults(args.faults, settings, manifest, command)
     experiment.write(report, args.out, records if args.records else None)
