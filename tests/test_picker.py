@@ -19,6 +19,7 @@ from dynamo_ppd.picker.route import (
     CLIENT_ROUTING_HEADERS,
     PREFILL_PIN,
     ROUTE_HEADER,
+    SESSION_HEADER,
     route_headers,
     without_client_pins,
 )
@@ -167,6 +168,9 @@ def test_response_messages_pass_through_unchanged():
 def test_routes_become_a_prefill_pin_or_no_pin_and_client_pins_are_dropped():
     via = route_headers(Route.VIA_PREFILL, 7)
     assert via.set == {ROUTE_HEADER: "via_prefill", PREFILL_PIN: "7"}
+    named = route_headers(Route.DECODE_LOCAL, None, "conv-1#fork")
+    assert named.set == {ROUTE_HEADER: "decode_local", SESSION_HEADER: "conv-1#fork"}  # keys the affinity
+    assert SESSION_HEADER not in named.remove
     assert PREFILL_PIN not in via.remove and "x-dynamo-worker-instance-id" in via.remove
     local = route_headers(Route.DECODE_LOCAL, None)
     assert local.set == {ROUTE_HEADER: "decode_local"}  # the frontend's KV router picks the holder

@@ -118,7 +118,7 @@ class Picker:
                 raise
             errors.labels("bad_request").inc()
             raise Refusal(400, str(exc), "bad_request") from None
-        route = route_headers(turn.decision.route, turn.prefill)
+        route = route_headers(turn.decision.route, turn.prefill, turn.session_id)
         self._charge(turn, max_tokens)
         self._keep(self.routing.record_turn(turn, tokens, []))
         new_body = json.dumps(request).encode() if without_client_pins(request) else None
