@@ -11,18 +11,22 @@ reads ``reasoning_content``, raw tool-call arguments and the thinking arguments.
 frontend refuses with a 400 must raise `PromptError`.
 
 In process (unit): the `PromptError` cases and the message rewrites, on a tokenizer trained in
-the test.
+the test; and `PromptTokenizer.encode`, which encodes the text between added tokens piece by
+piece (cached), against the tokenizer's own encoding of the whole text, on many random texts,
+for the project's model directory and for tokenizers with added tokens of every kind.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import time
 from pathlib import Path
 
 import pytest
 
+from dynamo_ppd.picker import prompt as prompt_module
 from dynamo_ppd.picker.prompt import COMPLETIONS_PATH, PromptError, PromptTokenizer
 
 CHAT = "/v1/chat/completions"
@@ -186,6 +190,7 @@ CASES: list[tuple[str, str | None, str, dict]] = [
     ("system_and_user", None, CHAT, {"messages": [
         {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which berth is free today?"}]}),
     ("five_turn_history", None, CHAT, {"messages": _history(5)}),
+    ("five_turn_follow_up", None, CHAT, {"messages": _history(6)}),  # the history's pieces cached
     ("content_parts", None, CHAT, {"messages": [
         {"role": "system", "content": [_text(SYSTEM), _text("Be kind.")]},
         {"role": "user", "content": [_text("First part."), _text("Second.")]}]}),
@@ -599,3 +604,171 @@ def test_from_model_dir_reads_the_project_model(model_dir):
     assert prompts.render(body) == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n"
                                     "hello<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
     assert prompts.vocab_size == 128256 and prompts.context_length == 131072
+
+
+# ---------------------------------------------------------------------------------------------
+# Unit: `encode` piece by piece, against the tokenizer's encoding of the whole text.
+
+WORDS = ["hello", "world", "the", "harbour", "ships", "Aurora", "berth", "2024", "x", "I'm", "don't",
+         "a.b", "(ok)", "[1, 2]", "{\"a\": 1}", "--", "...", "?!", "#", "<", ">", "|", "<>", "||"]
+UNICODE = ["é", "Ça", "naïve", "北京", "東京", "서울", "😀", "👍🏽", "👩\u200d💻", "a\u200db", "\u0301", "ß",
+           "İ", "\ufeff", "𝔘", "\u00a0", "\u2028", "\u3000", "Ångström"]
+SPACES = [" ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "\n\n\n  ", "\t \t"]
+
+
+def _random_text(rng: random.Random, specials: list[str]) -> str:
+    """Words, unicode, whitespace runs, added tokens (side by side, at the start or the end, with
+    a NUL inside: removed, it completes them), and parts of them."""
+    parts = []
+    for _ in range(rng.randint(0, 24)):
+        kind = rng.random()
+        if kind < 0.3:
+            parts.append(rng.choice(WORDS))
+        elif kind < 0.4:
+            parts.append(rng.choice(UNICODE))
+        elif kind < 0.55:
+            parts.append(rng.choice(SPACES))
+        elif kind < 0.8:
+            parts.append("".join(rng.choices(specials, k=rng.choice([1, 1, 1, 2, 3]))))
+        elif kind < 0.95:
+            special = rng.choice(specials)
+            cut = rng.randrange(1, len(special)) if len(special) > 1 else 1
+            parts.append(rng.choice([special[:cut], special[cut:], special[:cut] + rng.choice(specials),
+                                     special[:cut] + " " + special[cut:], special + special[cut:]]))
+        else:
+            special = rng.choice(specials)
+            cut = rng.randrange(len(special) + 1)
+            parts.append(special[:cut] + "\0" + special[cut:])
+    return "".join(p + rng.choice(["", "", " "]) for p in parts)
+
+
+def _assert_encodes_like_the_tokenizer(prompts: PromptTokenizer, texts: list[str]) -> None:
+    for text in texts:
+        expected = prompts.tokenizer.encode(text.replace("\0", ""), add_special_tokens=False).ids
+        assert prompts.encode(text) == expected, repr(text)
+
+
+@pytest.mark.unit
+@pytest.mark.slow  # the session's model directory is trained once (~10 s)
+def test_encode_piece_by_piece_matches_the_model_tokenizer(model_dir):
+    prompts = PromptTokenizer.from_model_dir(model_dir)
+    assert prompts.piecewise
+    specials = [t.content for t in prompts.tokenizer.get_added_tokens_decoder().values()]
+    assert "<|eot_id|>" in specials and "<|start_header_id|>" in specials
+    rng = random.Random(7)
+    texts = [_random_text(rng, specials) for _ in range(1500)]
+    texts += ["", "\0", "<|eot_id|>", "<|eot_id|><|eot_id|>", " <|eot_id|> ", "<|eot_id|", "|eot_id|>",
+              "<|eot_id|>\n\n", "<|eot_\0id|>", "<<|eot_id|>>", "<|begin_of_text|><|start_header_id|>user"
+              "<|end_header_id|>\n\nhello<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"]
+    _assert_encodes_like_the_tokenizer(prompts, texts)
+    _assert_encodes_like_the_tokenizer(prompts, texts[::-1])  # again, from the cache
+
+
+def _added_tokens_tokenizer(normalizer=None):
+    """A tiny BPE with special tokens, a non-special raw-matched token, tokens that are prefixes
+    of others or overlap them, and ``normalized`` tokens (matched after the normalizer)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, the harbour and its ships"] * 20, trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in ("<|eot|>", "<|eot|>x", "<|e", "ab", "abc", "b|>")])
+    tok.add_tokens([AddedToken("<tool>", normalized=False), AddedToken("Hello", normalized=True),
+                    AddedToken("d<|e", normalized=True)])  # only inside a piece: never across <|e
+    return tok
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("lowercase", [False, True], ids=["raw", "lowercase_normalizer"])
+def test_encode_piece_by_piece_with_every_kind_of_added_token(lowercase):
+    from tokenizers import normalizers
+
+    tok = _added_tokens_tokenizer(normalizers.Lowercase() if lowercase else None)
+    prompts = PromptTokenizer(tok, {"chat_template": "x"})
+    assert prompts.piecewise
+    specials = ["<s>", "</s>", "<|eot|>", "<|eot|>x", "<|e", "ab", "abc", "b|>", "<tool>", "Hello", "hello",
+                "d<|e", "world"]
+    rng = random.Random(3)
+    texts = [_random_text(rng, specials) for _ in range(400)]
+    _assert_encodes_like_the_tokenizer(prompts, [*texts, "<|eot|>xy", "<|eo", "abc|>", "HELLO<tool>hello"])
+
+
+@pytest.mark.unit
+def test_tokenizers_that_cannot_be_split_encode_whole_texts():
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
+    def trained(pre_tokenizer):
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizer
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], show_progress=False)
+        tok.train_from_iterator(["hello world, the harbour and its ships"] * 20, trainer=trainer)
+        return tok
+
+    stripped = trained(pre_tokenizers.ByteLevel(add_prefix_space=False))
+    stripped.add_special_tokens([AddedToken("<mask>", lstrip=True, rstrip=True, special=True)])
+    first_only = trained(pre_tokenizers.Metaspace(prepend_scheme="first"))  # found by the load-time check
+    always = trained(pre_tokenizers.Metaspace(prepend_scheme="always"))
+    truncating = trained(pre_tokenizers.ByteLevel(add_prefix_space=False))
+    truncating.enable_truncation(8)
+    rng = random.Random(5)
+    for tok, piecewise in [(stripped, False), (first_only, False), (always, True), (truncating, False)]:
+        prompts = PromptTokenizer(tok, {"chat_template": "x"})
+        assert prompts.piecewise is piecewise
+        _assert_encodes_like_the_tokenizer(
+            prompts, ["hello <mask> world </s>ships", "<s>the<s> harbour </s>", "a  <mask>\n<mask>b"]
+            + [_random_text(rng, ["<s>", "</s>", "<mask>"]) for _ in range(100)])
+
+
+class _Recording:
+    """A tokenizer that writes down every text it encodes."""
+
+    def __init__(self, tok):
+        self._tok, self.encoded = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def encode_batch_fast(self, texts, add_special_tokens):
+        self.encoded.extend(texts)
+        return self._tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+
+SPECIAL_TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}\n{{ m.content }}</s>{% endfor %}"
+                    "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+@pytest.mark.unit
+def test_a_follow_up_turn_encodes_only_its_new_messages(tiny_tokenizer):
+    recording = _Recording(tiny_tokenizer)
+    prompts = _make(recording, SPECIAL_TEMPLATE)
+    assert prompts.piecewise
+    history = [{"role": "system", "content": "the harbour"}, _user("hello world"),
+               {"role": "assistant", "content": "its ships"}, _user("and the world")]
+    recording.encoded.clear()
+    first = prompts.tokens({"messages": history}, CHAT)
+    assert recording.encoded == ["system\nthe harbour", "user\nhello world", "assistant\nits ships",
+                                 "user\nand the world", "assistant\n"]  # one batch
+    recording.encoded.clear()
+    follow_up = {"messages": [*history, {"role": "assistant", "content": "hello ships"}, _user("the end")]}
+    ids = prompts.tokens(follow_up, CHAT)
+    assert recording.encoded == ["assistant\nhello ships", "user\nthe end"]
+    generation = len(tiny_tokenizer.encode("<s>assistant\n", add_special_tokens=False).ids)
+    assert ids[:len(first) - generation] == first[:-generation]  # the history's ids
+    assert ids == tiny_tokenizer.encode(prompts.render(follow_up), add_special_tokens=False).ids
+
+
+@pytest.mark.unit
+def test_the_encode_cache_keeps_the_least_recently_used_pieces(tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr(prompt_module, "ENCODE_CACHE_PIECES", 2)
+    recording = _Recording(tiny_tokenizer)
+    prompts = _make(recording)
+    recording.encoded.clear()
+    for text in ("<s>a", "<s>b", "<s>a", "<s>c", "<s>b", "<s>a"):
+        assert prompts.encode(text) == tiny_tokenizer.encode(text, add_special_tokens=False).ids
+    # a, b; a from the cache; c drops b; b again drops a; a again.
+    assert recording.encoded == ["a", "b", "c", "b", "a"]
