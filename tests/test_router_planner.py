@@ -23,9 +23,9 @@ from dynamo_ppd.router.planner import (
     TurnView,
     WorkersView,
     follow_up_turn,
-    served_home,
     plan,
     rehome,
+    served_home,
 )
 from dynamo_ppd.router.sessions import SessionRecord
 

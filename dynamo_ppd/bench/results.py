@@ -260,13 +260,13 @@ def markdown(results: BenchResults, baseline: str = "pd",
                   "| system | QPS | follow-ups decided | decode-local | via prefill "
                   "| on another decode worker | residency misses |", "|---|---|---|---|---|---|---|"]
         for p in routed:
-            r = p.routing
-            follow = sum(v for k, v in r.items() if k.startswith("follow_up:"))
-            diverged = r.get("ppd_decode_divergence_total", 0.0)
+            counts = p.routing
+            follow = sum(v for k, v in counts.items() if k.startswith("follow_up:"))
+            diverged = counts.get("ppd_decode_divergence_total", 0.0)
             share = f" ({diverged / follow:.1%})" if follow else ""
-            local, via = r.get("follow_up:decode_local", 0), r.get("follow_up:via_prefill", 0)
+            local, via = counts.get("follow_up:decode_local", 0), counts.get("follow_up:via_prefill", 0)
             lines.append(f"| {p.system} | {p.qps:g} | {follow:.0f} | {local:.0f} | {via:.0f} | "
-                         f"{diverged:.0f}{share} | {r.get('ppd_residency_misses_total', 0):.0f} |")
+                         f"{diverged:.0f}{share} | {counts.get('ppd_residency_misses_total', 0):.0f} |")
     return "\n".join(lines)
 
 
