@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_passthrough_e2e import _served_by_worker
 from test_router import chat, conversation, metrics
 
@@ -117,6 +119,13 @@ def test_bad_requests_get_their_status_before_any_worker_sees_them(model_dir, tm
         ok = _post(dep, {"model": dep.model_name, "max_tokens": 4, "messages": hi},
                    {"x-dynamo-worker-instance-id": "12345"})
         assert ok.status_code == 200, ok.text
+        # gRPC health, as a gateway's health check (and a Kubernetes probe) asks it.
+        argv = dep.process("picker").argv
+        with grpc.insecure_channel(f"127.0.0.1:{argv[argv.index('--grpc-port') + 1]}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+                status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+                assert status == health_pb2.HealthCheckResponse.SERVING
         models = httpx.get(f"{dep.base_url}/v1/models", timeout=10)  # no body: served unrouted
         assert models.json()["data"][0]["id"] == dep.model_name
         # The openai SDK, unmodified: a streamed chat, and a refused one raising with its status.

@@ -193,3 +193,26 @@ def test_a_session_served_elsewhere_is_homed_where_its_history_is():
     assert served_home(record, cluster({D1: 1984, D2: 1984})) == D1  # a tie keeps the record's
     assert served_home(record, cluster({D1: 64, D2: 32})) == D1
     assert served_home(record, cluster({D2: 1984}, decode=(D2,))) == D1  # gone: the plan re-homes it
+
+
+def test_an_unseen_session_id_is_read_from_etcd_only_when_a_decode_worker_holds_its_prompt():
+    """A first turn (no decode worker holds much of its prompt) skips the etcd read; a prompt a
+    decode worker holds may be another replica's follow-up whose record is on its way: read it."""
+    import asyncio
+
+    from dynamo_ppd.bench import decisions
+
+    router, histories = decisions.build(1, 640, "local")
+    reads: list[str] = []
+
+    async def read_through(session_id: str):
+        reads.append(session_id)
+        return None
+
+    router.sessions.read_through = read_through  # type: ignore[method-assign]
+    fresh = [7] * 700  # held by nobody
+    for tokens, session in ((fresh, "new-one"), (histories[0] + [9] * 32, "another-replicas")):
+        request = {"token_ids": tokens, "stop_conditions": {"max_tokens": 8},
+                   "agent_context": {"session_id": session}}
+        asyncio.run(router.plan_turn(request, tokens))
+    assert reads == ["another-replicas"]

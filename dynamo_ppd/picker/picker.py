@@ -24,6 +24,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dynamo.llm.exceptions import InvalidArgument
+
 from ..policy.decision import Route
 from ..router.planner import NoWorkers
 from ..router.routing import Routing, Turn
@@ -113,9 +115,7 @@ class Picker:
         except NoWorkers as exc:
             errors.labels("no_workers").inc()
             raise Refusal(503, str(exc), "no_workers") from None
-        except Exception as exc:  # noqa: BLE001 (Dynamo's InvalidArgument: a bad session id)
-            if type(exc).__name__ != "InvalidArgument":
-                raise
+        except InvalidArgument as exc:  # a session id over the limit (`sessions.check_session_id`)
             errors.labels("bad_request").inc()
             raise Refusal(400, str(exc), "bad_request") from None
         route = route_headers(turn.decision.route, turn.prefill, turn.session_id)

@@ -311,13 +311,22 @@ class Routing:
             if record is None:
                 return None, f"{AUTO_PREFIX}{uuid.uuid4().hex}", 1
             return record, record.session_id, record.turn + 1
-        record = self.sessions.get(header_id) or await self.sessions.read_through(header_id)
+        record = self.sessions.get(header_id)
+        held: dict[int, int] | None = None
+        if record is None:
+            # Unseen here. Another replica may have recorded its previous turn a moment ago
+            # (etcd's watch not yet delivered): then a decode worker holds most of the prompt.
+            # A prompt no decode worker holds much of is a first turn: no etcd round trip for it
+            # (2-3 ms of every new conversation's TTFT).
+            held = dict(self._cluster(chain, decode=self.instances("decode")).cached_tokens)
+            if planner.follow_up_turn(held, len(tokens), self.config.min_resident_fraction) > 1:
+                record = await self.sessions.read_through(header_id)
         if record is None:
             if self.sessions.healthy:
                 return None, header_id, 1  # etcd has no such session: a new conversation
             # etcd is away, so another replica's record of it may exist unseen: when a decode
             # worker holds most of the prompt, this is a follow-up of the history it holds.
-            held = self._cluster(chain, decode=self.instances("decode")).cached_tokens
+            assert held is not None
             turn = planner.follow_up_turn(held, len(tokens), self.config.min_resident_fraction)
             return None, header_id, turn
         if self.sessions.table.continues(record, chain, tokens):
