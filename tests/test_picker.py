@@ -185,3 +185,51 @@ def test_client_pins_in_nvext_are_dropped():
     assert body == {"nvext": {"ignore_eos": True}}
     assert not without_client_pins({"nvext": {"ignore_eos": True}})
     assert not without_client_pins({"messages": []})
+
+
+class _Routing:
+    """The routing state's surface `Picker.pick` uses; planning raises what the test says."""
+
+    def __init__(self, raises: Exception):
+        from dynamo_ppd.policy.qps import SlidingWindowRate
+        from dynamo_ppd.router.limits import RequestLimits
+        from dynamo_ppd.router.metrics import RouterMetrics
+
+        self.metrics, self.rate = RouterMetrics(), SlidingWindowRate()
+        self.limits = RequestLimits(context_window=100)
+        self.raises = raises
+        self.decode_chosen_downstream = False
+
+    async def plan_turn(self, request, tokens):
+        raise self.raises
+
+
+class _Tokens:
+    def tokens(self, body, path):
+        return [1] * len(body["messages"][0]["content"].split())
+
+
+def _pick(routing, body: bytes, headers: dict | None = None) -> Refusal:
+    from dynamo_ppd.picker.picker import Picker
+
+    picker = Picker(routing, _Tokens(), ["127.0.0.1:8001"])  # type: ignore[arg-type]
+    with pytest.raises(Refusal) as refused:
+        asyncio.run(picker.pick(headers or {}, body, "/v1/chat/completions"))
+    return refused.value
+
+
+def test_refusals_carry_their_status_and_count_their_kind():
+    from dynamo_ppd.router.planner import NoWorkers
+
+    routing = _Routing(NoWorkers("no decode worker is available"))
+    ok_body = json.dumps({"messages": [{"role": "user", "content": "a b c"}]}).encode()
+    assert _pick(routing, ok_body).status == 503  # no worker of a needed kind
+    long_body = json.dumps({"messages": [{"role": "user", "content": "w " * 150}]}).encode()
+    too_long = _pick(routing, long_body)
+    assert too_long.status == 400 and "maximum context length is 100" in str(too_long)
+    assert _pick(routing, b"{nope").status == 400
+    bad_max = json.dumps({"max_tokens": -3, "messages": [{"role": "user", "content": "a"}]}).encode()
+    assert _pick(routing, bad_max).status == 400
+    errors = {s.labels["kind"]: s.value for s in routing.metrics.errors.collect()[0].samples
+              if s.name.endswith("_total")}
+    assert errors == {"no_workers": 1.0, "too_large": 1.0, "bad_request": 2.0}
