@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .. import model as model_dir
 from ..router.args import RouterConfig
-from ..router.limits import WorkerCards, read_context_window
 from ..router.metrics import RouterMetrics
 from ..router.routing import Routing
-from ..router.service import ModelClockRate, build_policy
+from ..router.service import build_policy, start_routing
 from ..runtime import create_runtime, run_component
 from .args import PickerConfig, parse_args
 from .extproc import ExtProcService
@@ -42,22 +39,13 @@ async def serve(configs: tuple[RouterConfig, PickerConfig]) -> None:
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.metrics_host)
     routing = Routing(runtime, config, build_policy(config), metrics)
-    if config.speedup != 1.0:
-        routing.rate.local = ModelClockRate(config.speedup, routing.rate.local.window_s)
-    await routing.start()
-    path = model_dir.ensure_model_dir(config.model_path)
-    routing.limits.context_window = read_context_window(path)
-    cards = None
-    if os.environ.get("DYN_DISCOVERY_BACKEND", "etcd") == "etcd":
-        discovery_etcd = os.environ.get("ETCD_ENDPOINTS", config.etcd_url).split(",")[0]
-        cards = WorkerCards(routing.limits, discovery_etcd, config.workers_namespace, config.decode_component)
-        await cards.start()
+    path, cards = await start_routing(routing)
     picker = Picker(routing, PromptTokenizer.from_model_dir(path), picker_config.frontends)
     if routing.kv_sync is not None and not await routing.kv_sync.settled():
         log.warning("the workers' residency was not rebuilt within 10 s of start; serving anyway "
                     "(follow-ups go through prefill until their decode workers' KV events arrive)")
 
-    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     servers = []
     for port, ext_proc in ((picker_config.grpc_port, True), (picker_config.health_port, False)):
         if not port:
@@ -71,7 +59,7 @@ async def serve(configs: tuple[RouterConfig, PickerConfig]) -> None:
         await server.start()
         servers.append(server)
     for service in ("", EXT_PROC_SERVICE):
-        await _set_health(health_servicer, service, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("PPD endpoint picker (mode %s, weights %g,%g) on ext_proc %s:%d, frontends %s; "
              "workers in %s", config.mode.value, config.w_ttft, config.w_tpot, picker_config.grpc_host,
              picker_config.grpc_port, ",".join(picker_config.frontends), config.workers_namespace)
@@ -79,7 +67,7 @@ async def serve(configs: tuple[RouterConfig, PickerConfig]) -> None:
         await stopping.wait()
     finally:
         for service in ("", EXT_PROC_SERVICE):
-            await _set_health(health_servicer, service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         for server in servers:
             await server.stop(grace=2.0)
         await picker.drain()
@@ -87,12 +75,6 @@ async def serve(configs: tuple[RouterConfig, PickerConfig]) -> None:
             await cards.stop()
         await routing.stop()
         runtime.shutdown()
-
-
-async def _set_health(servicer, service: str, status) -> None:
-    result = servicer.set(service, status)
-    if asyncio.iscoroutine(result):
-        await result
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from .. import model as model_dir
 from ..engine.profile import load_profile
@@ -15,6 +16,7 @@ from .args import RouterConfig, parse_args
 from .limits import WorkerCards, read_context_window
 from .metrics import RouterMetrics
 from .router import PpdRouter
+from .routing import Routing
 
 log = logging.getLogger("dynamo_ppd.router")
 
@@ -57,6 +59,25 @@ def build_policy(config: RouterConfig) -> Policy:
     return policy
 
 
+async def start_routing(routing: Routing) -> tuple[Path, WorkerCards | None]:
+    """Start a routing shell's shared state (the relay router's, the endpoint picker's): the rate
+    on the model's clock when dilated, the subscriptions, the context window of the model
+    directory, and the decode workers' KV capacity from the model cards they register with
+    Dynamo's discovery. Returns the model directory and the cards (stop them at the end)."""
+    config = routing.config
+    if config.speedup != 1.0:
+        routing.rate.local = ModelClockRate(config.speedup, routing.rate.local.window_s)
+    await routing.start()
+    path = model_dir.ensure_model_dir(config.model_path)
+    routing.limits.context_window = read_context_window(path)
+    cards = None
+    if os.environ.get("DYN_DISCOVERY_BACKEND", "etcd") == "etcd":
+        discovery_etcd = os.environ.get("ETCD_ENDPOINTS", config.etcd_url).split(",")[0]
+        cards = WorkerCards(routing.limits, discovery_etcd, config.workers_namespace, config.decode_component)
+        await cards.start()
+    return path, cards
+
+
 async def serve(config: RouterConfig) -> None:
     from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
 
@@ -65,17 +86,7 @@ async def serve(config: RouterConfig) -> None:
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.metrics_host)
     router = PpdRouter(runtime, config, build_policy(config), metrics)
-    if config.speedup != 1.0:
-        router.rate.local = ModelClockRate(config.speedup, router.rate.local.window_s)
-    await router.start()
-    path = model_dir.ensure_model_dir(config.model_path)
-    router.limits.context_window = read_context_window(path)
-    # The decode workers' KV capacity, from the model cards they register with Dynamo's discovery.
-    discovery_etcd = os.environ.get("ETCD_ENDPOINTS", config.etcd_url).split(",")[0]
-    cards = None
-    if os.environ.get("DYN_DISCOVERY_BACKEND", "etcd") == "etcd":
-        cards = WorkerCards(router.limits, discovery_etcd, config.workers_namespace, config.decode_component)
-        await cards.start()
+    path, cards = await start_routing(router)
     name = config.served_model_name or model_dir.load_model_info(path).served_model_name
     endpoint = runtime.endpoint(f"{config.namespace}.router.generate")
     runtime_config = ModelRuntimeConfig()
