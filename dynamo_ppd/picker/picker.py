@@ -62,7 +62,6 @@ class Pick:
     set_headers: dict[str, str]
     remove_headers: tuple[str, ...]
     body: bytes | None
-    turn: Turn | None = None
 
 
 class Picker:
@@ -122,7 +121,7 @@ class Picker:
         self._charge(turn, max_tokens)
         self._keep(self.routing.record_turn(turn, tokens, []))
         new_body = json.dumps(request).encode() if without_client_pins(request) else None
-        return Pick(self.frontend(), route.set, route.remove, new_body, turn)
+        return Pick(self.frontend(), route.set, route.remove, new_body)
 
     def _charge(self, turn: Turn, max_tokens: int | None) -> None:
         """Count the turn on its workers until it is predicted to end (see the module docstring)."""
