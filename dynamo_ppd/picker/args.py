@@ -8,6 +8,7 @@ import argparse
 from dataclasses import dataclass
 
 from ..router.args import RouterConfig, build_parser, config_from
+from .frontends import split_endpoint
 
 
 @dataclass(frozen=True)
@@ -15,17 +16,19 @@ class PickerConfig:
     grpc_host: str
     grpc_port: int  # Envoy ext_proc (and gRPC health, unless health_port is set)
     health_port: int  # 0: health on grpc_port only
-    frontends: tuple[str, ...]  # Dynamo frontends, ip:port, named in x-gateway-destination-endpoint
+    frontends: tuple[str, ...]  # Dynamo frontends, ip:port or name:port (`frontends.Frontends`)
+    frontend_refresh_s: float = 5.0  # names are resolved again this often
 
 
 def _endpoint_list(text: str) -> tuple[str, ...]:
     endpoints = tuple(e.strip() for e in text.split(",") if e.strip())
     for endpoint in endpoints:
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise argparse.ArgumentTypeError(f"{endpoint!r} is not ip:port (e.g. 127.0.0.1:8000)")
+        try:
+            split_endpoint(endpoint)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
     if not endpoints:
-        raise argparse.ArgumentTypeError("give at least one frontend as ip:port")
+        raise argparse.ArgumentTypeError("give at least one frontend as ip:port or name:port")
     return endpoints
 
 
@@ -47,14 +50,20 @@ def build_picker_parser() -> argparse.ArgumentParser:
     g.add_argument("--health-port", type=int, default=0,
                    help="also serve gRPC health on this port (GAIE's default 9003; 0: off)")
     g.add_argument("--frontend", type=_endpoint_list, default=("127.0.0.1:8000",),
-                   help="Dynamo frontend(s), ip:port[,ip:port...], named as the request's "
-                   "destination (round robin)")
+                   help="Dynamo frontend(s) named as the request's destination (round robin): "
+                   "ip:port[,ip:port...], or name:port, resolved to every address it has and "
+                   "again every --frontend-refresh seconds (on Kubernetes, a headless Service over "
+                   "the frontend pods, the InferencePool's endpoints)")
+    g.add_argument("--frontend-refresh", type=float, default=5.0,
+                   help="seconds between resolutions of the --frontend names")
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, PickerConfig]:
     parser = build_picker_parser()
     a = parser.parse_args(argv)
+    if not a.frontend_refresh > 0:
+        parser.error(f"--frontend-refresh {a.frontend_refresh} must be > 0 seconds")
     for name in ("grpc_port", "health_port"):
         port = getattr(a, name)
         if not 0 <= port < 65536 or (name == "grpc_port" and port == 0):
@@ -62,4 +71,5 @@ def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, PickerConfi
     if a.mode == "replica" or a.replica_component:
         parser.error("the picker routes P/D deployments; aggregated workers (replica mode) are "
                      "served by Dynamo's own KV router with no picker")
-    return config_from(parser, a), PickerConfig(a.grpc_host, a.grpc_port, a.health_port, a.frontend)
+    return config_from(parser, a), PickerConfig(a.grpc_host, a.grpc_port, a.health_port, a.frontend,
+                                                a.frontend_refresh)

@@ -103,7 +103,10 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             if kind == "request_headers":
                 headers = {h.key.lower(): _header_value(h) for h in message.request_headers.headers.headers}
                 if message.request_headers.end_of_stream:  # no body: nothing to route by
-                    yield headers_response(self.picker.frontend(), {})
+                    try:
+                        yield headers_response(self.picker.frontend(), {})
+                    except Refusal as refusal:
+                        yield immediate_response(refusal)
                 elif not full_duplex:  # Envoy sends a buffered body only after this answer
                     yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
             elif kind == "request_body":

@@ -17,7 +17,6 @@ clock), since no end of stream reaches the picker.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import time
@@ -29,6 +28,7 @@ from dynamo.llm.exceptions import InvalidArgument
 from ..policy.decision import Route
 from ..router.planner import NoWorkers
 from ..router.routing import Routing, Turn
+from .frontends import Frontends
 from .prompt import PromptError, PromptTokenizer
 from .route import SESSION_HEADER, route_headers, without_client_pins
 
@@ -67,19 +67,23 @@ class Pick:
 class Picker:
     """The per-request handler around the shared routing state (see the module docstring)."""
 
-    def __init__(self, routing: Routing, tokenizer: PromptTokenizer, frontends: Sequence[str]):
-        if not frontends:
-            raise ValueError("the picker needs at least one frontend endpoint (ip:port)")
+    def __init__(self, routing: Routing, tokenizer: PromptTokenizer,
+                 frontends: Frontends | Sequence[str]):
         self.routing = routing
         self.tokenizer = tokenizer
-        self.frontends = list(frontends)
-        self._next_frontend = itertools.cycle(self.frontends)
+        self.frontends = frontends if isinstance(frontends, Frontends) else Frontends(frontends)
         self._background: set[asyncio.Task] = set()
         routing.decode_chosen_downstream = True
 
     def frontend(self) -> str:
-        """A frontend for a request that carries no route (a GET, say): round robin."""
-        return next(self._next_frontend)
+        """The frontend a request goes to (round robin); `Refusal` 503 while none is known."""
+        endpoint = self.frontends.next()
+        if endpoint is None:
+            self.routing.metrics.errors.labels("no_frontends").inc()
+            raise Refusal(503, "no Dynamo frontend is known yet (the picker's --frontend names "
+                          f"{', '.join(self.frontends.names) or 'none'} resolve to no address)",
+                          "no_frontends")
+        return endpoint
 
     async def pick(self, headers: Mapping[str, str], body: bytes, path: str) -> Pick:
         """Route one request; raises `Refusal` (4xx/5xx) for one that must not be forwarded."""
@@ -105,6 +109,7 @@ class Picker:
         if too_big:  # before any worker sees it
             errors.labels("too_large").inc()
             raise Refusal(400, too_big, "too_large")
+        endpoint = self.frontend()  # before the turn is planned: a refusal records nothing
         session_id = headers.get(SESSION_HEADER)
         turn_request = {"token_ids": tokens, "stop_conditions": {"max_tokens": max_tokens},
                         "agent_context": {"session_id": session_id} if session_id else None}
@@ -121,7 +126,7 @@ class Picker:
         self._charge(turn, max_tokens)
         self._keep(self.routing.record_turn(turn, tokens, []))
         new_body = json.dumps(request).encode() if without_client_pins(request) else None
-        return Pick(self.frontend(), route.set, route.remove, new_body)
+        return Pick(endpoint, route.set, route.remove, new_body)
 
     def _charge(self, turn: Turn, max_tokens: int | None) -> None:
         """Count the turn on its workers until it is predicted to end (see the module docstring)."""

@@ -18,6 +18,7 @@ from ..router.service import build_policy, start_routing
 from ..runtime import create_runtime, run_component
 from .args import PickerConfig, parse_args
 from .extproc import ExtProcService
+from .frontends import Frontends
 from .metrics import PickerMetrics
 from .picker import Picker
 from .prompt import PromptTokenizer
@@ -40,7 +41,9 @@ async def serve(configs: tuple[RouterConfig, PickerConfig]) -> None:
         metrics.serve(config.metrics_port, config.metrics_host)
     routing = Routing(runtime, config, build_policy(config), metrics)
     path, cards = await start_routing(routing)
-    picker = Picker(routing, PromptTokenizer.from_model_dir(path), picker_config.frontends)
+    frontends = Frontends(picker_config.frontends, picker_config.frontend_refresh_s)
+    await frontends.start()
+    picker = Picker(routing, PromptTokenizer.from_model_dir(path), frontends)
     if routing.kv_sync is not None and not await routing.kv_sync.settled():
         log.warning("the workers' residency was not rebuilt within 10 s of start; serving anyway "
                     "(follow-ups go through prefill until their decode workers' KV events arrive)")
@@ -71,6 +74,7 @@ async def serve(configs: tuple[RouterConfig, PickerConfig]) -> None:
         for server in servers:
             await server.stop(grace=2.0)
         await picker.drain()
+        await frontends.stop()
         if cards is not None:
             await cards.stop()
         await routing.stop()
