@@ -34,12 +34,15 @@ class FakePicker:
     def __init__(self, result: Pick | Refusal):
         self.result = result
         self.seen: list[tuple[dict, bytes, str]] = []
+        self.subsets: list[list[str] | None] = []
 
-    def frontend(self) -> str:
-        return "127.0.0.1:8001"
+    def frontend(self, subset=None) -> str:
+        self.subsets.append(subset)
+        return subset[0] if subset else "127.0.0.1:8001"
 
-    async def pick(self, headers, body, path):
+    async def pick(self, headers, body, path, subset=None):
         self.seen.append((dict(headers), body, path))
+        self.subsets.append(subset)
         if isinstance(self.result, Refusal):
             raise self.result
         return self.result
@@ -153,6 +156,30 @@ def test_a_request_without_a_body_goes_to_a_frontend_unrouted():
         request_headers=pb.HttpHeaders(headers=headers, end_of_stream=True))])
     assert _set_headers(replies[0]) == {DESTINATION_HEADER: "127.0.0.1:8001"}
     assert picker.seen == []
+
+
+def _with_subset(message: pb.ProcessingRequest, value) -> pb.ProcessingRequest:
+    from dynamo_ppd.picker.extproc import SUBSET_KEY, SUBSET_NAMESPACE
+
+    message.metadata_context.filter_metadata[SUBSET_NAMESPACE].update({SUBSET_KEY: value})
+    return message
+
+
+def test_the_gateways_endpoint_subset_reaches_the_picker():
+    route = route_headers(Route.DECODE_LOCAL, None)
+    picker = FakePicker(Pick("10.0.0.8:8000", route.set, route.remove, None))
+    messages = _messages(BODY)
+    _with_subset(messages[0], ["10.0.0.8:8000", "10.0.0.9:8000"])
+    _process(picker, messages)
+    assert picker.subsets == [["10.0.0.8:8000", "10.0.0.9:8000"]]
+    picker = FakePicker(Pick("h:1", route.set, route.remove, None))
+    _process(picker, _messages(BODY))
+    assert picker.subsets == [None]  # no hint (Istio): the picker's own frontends
+    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/models")])
+    get = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=headers, end_of_stream=True))
+    _with_subset(get, ["10.0.0.9:8000"])
+    replies, _ = _process(picker, [get])
+    assert _set_headers(replies[0]) == {DESTINATION_HEADER: "10.0.0.9:8000"}
 
 
 def test_response_messages_pass_through_unchanged():

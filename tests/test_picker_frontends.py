@@ -50,6 +50,14 @@ def test_names_resolve_to_every_pod_and_round_robin_over_them():
     assert sorted(picked) == sorted(frontends.endpoints() * 2)
 
 
+def test_a_subset_from_the_gateway_is_obeyed():
+    frontends = Frontends(["10.0.0.1:8000"])
+    subset = ["10.0.0.8:8000", "10.0.0.9:8000"]
+    assert sorted(frontends.next(subset) for _ in range(4)) == sorted(subset * 2)
+    assert frontends.next([]) is None  # the protocol: an empty subset leaves nothing to pick
+    assert frontends.next() == "10.0.0.1:8000"
+
+
 def test_a_pool_that_changes_is_followed_and_a_dns_failure_keeps_what_was_known():
     dns = FakeDns({"pool": ["10.0.0.8"]})
     frontends = Frontends(["pool:8000"], resolve=dns)
@@ -129,3 +137,9 @@ def test_with_no_frontend_known_the_picker_refuses_with_503_and_plans_nothing():
     errors = {s.labels["kind"]: s.value for s in routing.metrics.errors.collect()[0].samples
               if s.name.endswith("_total")}
     assert errors == {"no_frontends": 1.0}
+    # A gateway that allows endpoints: the picker names one of them, even with no name resolved.
+    picker = Picker(routing, _Tokens(), Frontends(["10.0.0.1:8000"]))  # type: ignore[arg-type]
+    with pytest.raises(Refusal) as refused:
+        asyncio.run(picker.pick({}, body, "/v1/chat/completions", subset=[]))
+    assert refused.value.status == 503 and "gateway allowed no endpoint" in str(refused.value)
+    assert picker.frontend(["10.0.0.7:8000"]) == "10.0.0.7:8000"

@@ -18,6 +18,8 @@ class PickerConfig:
     health_port: int  # 0: health on grpc_port only
     frontends: tuple[str, ...]  # Dynamo frontends, ip:port or name:port (`frontends.Frontends`)
     frontend_refresh_s: float = 5.0  # names are resolved again this often
+    secure_serving: bool = False  # ext_proc over TLS (`tls`); health_port stays plaintext
+    cert_path: str | None = None  # tls.crt/tls.key; None: a self-signed certificate
 
 
 def _endpoint_list(text: str) -> tuple[str, ...]:
@@ -56,6 +58,13 @@ def build_picker_parser() -> argparse.ArgumentParser:
                    "the frontend pods, the InferencePool's endpoints)")
     g.add_argument("--frontend-refresh", type=float, default=5.0,
                    help="seconds between resolutions of the --frontend names")
+    g.add_argument("--secure-serving", action="store_true",
+                   help="serve ext_proc over TLS, as GAIE's endpoint picker does by default (the "
+                   "gateways' stock settings expect it); gRPC health on --health-port stays "
+                   "plaintext for the kubelet's probes")
+    g.add_argument("--cert-path", default=None,
+                   help="with --secure-serving: a directory with tls.crt and tls.key (a mounted "
+                   "kubernetes.io/tls Secret); default: a self-signed certificate made at start")
     return p
 
 
@@ -71,5 +80,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, PickerConfi
     if a.mode == "replica" or a.replica_component:
         parser.error("the picker routes P/D deployments; aggregated workers (replica mode) are "
                      "served by Dynamo's own KV router with no picker")
+    if a.cert_path and not a.secure_serving:
+        parser.error("--cert-path is for --secure-serving; add it, or drop --cert-path")
     return config_from(parser, a), PickerConfig(a.grpc_host, a.grpc_port, a.health_port, a.frontend,
-                                                a.frontend_refresh)
+                                                a.frontend_refresh, a.secure_serving, a.cert_path)

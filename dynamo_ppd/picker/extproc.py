@@ -9,7 +9,9 @@ picker answers only once the whole body is in, in the order the protocol require
 headers response (the header mutation carrying the route, ``x-gateway-destination-endpoint``
 naming the frontend, ``Content-Length`` when the body changed, and the same endpoint in the
 ``envoy.lb`` dynamic metadata), then the body (a streamed body response in full-duplex mode, as
-GAIE's EPP sends it; a body mutation, or none, in buffered mode). A request that must not be
+GAIE's EPP sends it; a body mutation, or none, in buffered mode). The frontend named is one of
+the endpoints the gateway allows when it says which (the subset hint in the request's metadata).
+A request that must not be
 forwarded gets an ImmediateResponse (400, 503) with an OpenAI-style error body. Response headers
 and bodies, if the gateway sends them, pass unchanged. A request with no body (a GET) goes to a
 frontend unrouted.
@@ -35,7 +37,22 @@ log = logging.getLogger("dynamo_ppd.picker")
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
+# The endpoints a gateway allows for a request (protocol: "the EPP MUST pick from" them), in the
+# ext_proc request's metadata_context; kgateway sends them, Istio does not.
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+def endpoint_subset(message: pb.ProcessingRequest) -> list[str] | None:
+    """The subset hint of a request's metadata, or None when the gateway sent none."""
+    namespace = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if namespace is None or SUBSET_KEY not in namespace.fields:
+        return None
+    value = namespace.fields[SUBSET_KEY]
+    if value.WhichOneof("kind") != "list_value":
+        return []  # not a list: nothing the picker may pick from (a 503, as for an empty one)
+    return [v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value"]
 
 
 def _header_value(header: base_pb2.HeaderValue) -> str:
@@ -94,6 +111,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator, context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
         headers: dict[str, str] = {}
+        subset: list[str] | None = None
         body = bytearray()
         full_duplex = True  # GAIE's gateways stream; Envoy says which mode in protocol_config
         async for message in request_iterator:
@@ -102,9 +120,10 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
             if kind == "request_headers":
                 headers = {h.key.lower(): _header_value(h) for h in message.request_headers.headers.headers}
+                subset = endpoint_subset(message)
                 if message.request_headers.end_of_stream:  # no body: nothing to route by
                     try:
-                        yield headers_response(self.picker.frontend(), {})
+                        yield headers_response(self.picker.frontend(subset), {})
                     except Refusal as refusal:
                         yield immediate_response(refusal)
                 elif not full_duplex:  # Envoy sends a buffered body only after this answer
@@ -112,7 +131,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             elif kind == "request_body":
                 body += message.request_body.body
                 if message.request_body.end_of_stream:
-                    async for reply in self._route(headers, bytes(body), full_duplex):
+                    async for reply in self._route(headers, subset, bytes(body), full_duplex):
                         yield reply
                     body.clear()
             elif kind == "request_trailers":
@@ -128,12 +147,13 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             elif kind == "response_trailers":
                 yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
-    async def _route(self, headers: dict[str, str], body: bytes, full_duplex: bool
-                     ) -> AsyncIterator[pb.ProcessingResponse]:
+    async def _route(self, headers: dict[str, str], subset: list[str] | None, body: bytes,
+                     full_duplex: bool) -> AsyncIterator[pb.ProcessingResponse]:
         started, cpu = time.perf_counter(), time.thread_time()
         outcome = "routed"
         try:
-            picked = await self.picker.pick(headers, body, headers.get(":path", "/v1/chat/completions"))
+            picked = await self.picker.pick(headers, body, headers.get(":path", "/v1/chat/completions"),
+                                            subset)
         except Refusal as refusal:
             outcome = f"refused_{refusal.status}"
             log.info("HTTP %d: %s", refusal.status, refusal)

@@ -6,7 +6,9 @@ that endpoint must be one of the InferencePool's pods. GAIE's own EPP learns the
 watching the InferencePool and its pods through the Kubernetes API; the picker learns the same set
 without an API client or RBAC: the chart gives it a headless Service whose selector is the pool's,
 and a headless Service's name resolves to the IPs of its ready pods. So each ``--frontend`` entry
-is ``ip:port`` (fixed) or ``name:port`` (resolved now and every ``refresh_s`` after).
+is ``ip:port`` (fixed) or ``name:port`` (resolved now and every ``refresh_s`` after). A gateway
+that sends the pool's endpoints with each request (the protocol's subset hint; kgateway does,
+Istio does not) is obeyed instead.
 
 A name that stops resolving keeps its last addresses (a DNS hiccup must not empty the pool); a
 name that never resolved contributes nothing, and with no frontend at all the picker refuses
@@ -82,9 +84,12 @@ class Frontends:
         named = [e for addresses in self._named.values() for e in addresses]
         return list(dict.fromkeys(self._fixed + named))
 
-    def next(self) -> str | None:
-        """The next frontend, round robin; None while none is known."""
-        endpoints = self.endpoints()
+    def next(self, subset: Sequence[str] | None = None) -> str | None:
+        """The next frontend, round robin; None while none is known. ``subset``: the endpoints
+        the gateway allows for this request (GAIE's ``x-gateway-destination-endpoint-subset``,
+        the pool's pods as the gateway sees them): the pick is one of them, whatever the names
+        resolve to, and None when it is empty."""
+        endpoints = list(subset) if subset is not None else self.endpoints()
         if not endpoints:
             return None
         self._turn += 1

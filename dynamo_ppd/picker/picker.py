@@ -75,18 +75,22 @@ class Picker:
         self._background: set[asyncio.Task] = set()
         routing.decode_chosen_downstream = True
 
-    def frontend(self) -> str:
-        """The frontend a request goes to (round robin); `Refusal` 503 while none is known."""
-        endpoint = self.frontends.next()
+    def frontend(self, subset: Sequence[str] | None = None) -> str:
+        """The frontend a request goes to (round robin; one of ``subset`` when the gateway names
+        the endpoints allowed); `Refusal` 503 when there is none."""
+        endpoint = self.frontends.next(subset)
         if endpoint is None:
             self.routing.metrics.errors.labels("no_frontends").inc()
-            raise Refusal(503, "no Dynamo frontend is known yet (the picker's --frontend names "
-                          f"{', '.join(self.frontends.names) or 'none'} resolve to no address)",
-                          "no_frontends")
+            why = ("the gateway allowed no endpoint for this request" if subset is not None else
+                   "the picker's --frontend names "
+                   f"{', '.join(self.frontends.names) or 'none'} resolve to no address")
+            raise Refusal(503, f"no Dynamo frontend to send the request to ({why})", "no_frontends")
         return endpoint
 
-    async def pick(self, headers: Mapping[str, str], body: bytes, path: str) -> Pick:
-        """Route one request; raises `Refusal` (4xx/5xx) for one that must not be forwarded."""
+    async def pick(self, headers: Mapping[str, str], body: bytes, path: str,
+                   subset: Sequence[str] | None = None) -> Pick:
+        """Route one request; raises `Refusal` (4xx/5xx) for one that must not be forwarded.
+        ``subset``: the endpoints the gateway allows (see `frontend`)."""
         errors = self.routing.metrics.errors
         try:
             request = json.loads(body)
@@ -109,7 +113,7 @@ class Picker:
         if too_big:  # before any worker sees it
             errors.labels("too_large").inc()
             raise Refusal(400, too_big, "too_large")
-        endpoint = self.frontend()  # before the turn is planned: a refusal records nothing
+        endpoint = self.frontend(subset)  # before the turn is planned: a refusal records nothing
         session_id = headers.get(SESSION_HEADER)
         turn_request = {"token_ids": tokens, "stop_conditions": {"max_tokens": max_tokens},
                         "agent_context": {"session_id": session_id} if session_id else None}

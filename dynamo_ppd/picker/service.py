@@ -22,6 +22,7 @@ from .frontends import Frontends
 from .metrics import PickerMetrics
 from .picker import Picker
 from .prompt import PromptTokenizer
+from .tls import server_credentials
 
 log = logging.getLogger("dynamo_ppd.picker")
 
@@ -58,14 +59,20 @@ async def serve(configs: tuple[RouterConfig, PickerConfig]) -> None:
             external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
                 ExtProcService(picker, picker_metrics), server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        server.add_insecure_port(f"{picker_config.grpc_host}:{port}")
+        address = f"{picker_config.grpc_host}:{port}"
+        if ext_proc and picker_config.secure_serving:
+            credentials, _ = server_credentials(picker_config.cert_path)
+            server.add_secure_port(address, credentials)
+        else:
+            server.add_insecure_port(address)
         await server.start()
         servers.append(server)
     for service in ("", EXT_PROC_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("PPD endpoint picker (mode %s, weights %g,%g) on ext_proc %s:%d, frontends %s; "
+    log.info("PPD endpoint picker (mode %s, weights %g,%g) on ext_proc %s:%d%s, frontends %s; "
              "workers in %s", config.mode.value, config.w_ttft, config.w_tpot, picker_config.grpc_host,
-             picker_config.grpc_port, ",".join(picker_config.frontends), config.workers_namespace)
+             picker_config.grpc_port, " (TLS)" if picker_config.secure_serving else "",
+             ",".join(picker_config.frontends), config.workers_namespace)
     try:
         await stopping.wait()
     finally:
