@@ -437,7 +437,7 @@ def test_helm_lint(helm, preset):
 @pytest.mark.e2e
 @pytest.mark.parametrize("preset", PRESETS)
 def test_helm_template_preset(helm, preset):
-    docs = render(helm, "-f", str(CHART / "presets" / f"{preset}.yaml"))
+    docs = render(helm, "--set", "routing=relay", "-f", str(CHART / "presets" / f"{preset}.yaml"))
     assert sorted(d["kind"] for d in docs) == ["ConfigMap", "DynamoGraphDeployment", "PodMonitor"]
     (dgd,) = [d for d in docs if d["kind"] == "DynamoGraphDeployment"]
     assert dgd["apiVersion"] == "nvidia.com/v1beta1"
@@ -500,7 +500,8 @@ def test_helm_template_preset(helm, preset):
 
 @pytest.mark.e2e
 def test_helm_values_reach_the_router(helm, tmp_path):
-    docs = render(helm, "--set", "router.mode=fraction", "--set", "router.localFraction=0.25",
+    docs = render(helm, "--set", "routing=relay", "--set", "router.mode=fraction",
+                  "--set", "router.localFraction=0.25",
                   "--set", "router.weights=2\\,1", "--set", "router.sessionTtl=600",
                   "--set", "router.onlineCorrection=false", "--set-file", f"router.tableJson={SHIPPED_TABLE}",
                   "--set", "router.metricsPort=9464",
@@ -547,7 +548,7 @@ def _with_local_engine_file(args: list[str], engine_cm: dict, tmp_path: Path) ->
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_helm_rendered_frontend_and_worker_flags_parse_with_dynamo(helm, tmp_path):
-    docs = render(helm, "-f", str(CHART / "presets" / "2p2d.yaml"),
+    docs = render(helm, "--set", "routing=relay", "-f", str(CHART / "presets" / "2p2d.yaml"),
                   "--set", "decode.engineOverrides.max_batch_size=128")
     comps = _components(docs)
     (engine_cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "ppd-engine"]
@@ -567,7 +568,7 @@ def test_helm_rendered_frontend_and_worker_flags_parse_with_dynamo(helm, tmp_pat
 
 @pytest.mark.e2e
 def test_helm_router_flag_check_catches_unknown_flags(helm):
-    docs = render(helm, "--set", "router.extraArgs={--no-such-router-flag}")
+    docs = render(helm, "--set", "routing=relay", "--set", "router.extraArgs={--no-such-router-flag}")
     with pytest.raises(SystemExit):
         _router_args(docs)
 
@@ -658,7 +659,7 @@ def test_dockerfile():
         for source in sources.split():
             assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
     # What the chart runs from the image is what the Dockerfile puts there.
-    rendered = (CHART / "templates" / "dynamographdeployment.yaml").read_text()
+    rendered = "".join(t.read_text() for t in (CHART / "templates").iterdir())
     for helper in re.findall(r"/opt/dynamo-ppd/([a-z_]+\.py)", rendered):
         assert (DEPLOY / helper).is_file() and f"deploy/{helper}" in text
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()

@@ -52,8 +52,31 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $pb -}}
 {{- end -}}
 
-{{/* The router's arguments (after `python3 -m dynamo_ppd.router`), one per line. */}}
-{{- define "ppd.routerArgs" -}}
+{{/* Labels the PodMonitor selects the picker's pods by. */}}
+{{- define "ppd.pickerSelector" -}}
+app.kubernetes.io/name: dynamo-ppd-picker
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Labels of the frontend pods: the InferencePool's selector and the headless Service's. */}}
+{{- define "ppd.frontendSelector" -}}
+app.kubernetes.io/name: dynamo-ppd-frontend
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Where the workers register: their own namespace behind the relay router, the frontend's
+     behind the picker (the frontend's KV router serves them). */}}
+{{- define "ppd.workersEndpointNamespace" -}}
+{{- if eq .Values.routing "relay" -}}
+{{- include "ppd.workersNamespace" . -}}
+{{- else -}}
+{{- include "ppd.dynamoNamespace" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The PPD policy's arguments, the same for the picker and the relay router (one planner, two
+     shells), one per line. */}}
+{{- define "ppd.policyArgs" -}}
 {{- $r := .Values.router -}}
 - --mode
 - {{ $r.mode | quote }}
@@ -72,10 +95,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - {{ ternary "--online-correction" "--no-online-correction" $r.onlineCorrection }}
 - --profile
 - {{ $r.profile | quote }}
-- --namespace
-- {{ include "ppd.dynamoNamespace" . | quote }}
 - --workers-namespace
-- {{ include "ppd.workersNamespace" . | quote }}
+- {{ include "ppd.workersEndpointNamespace" . | quote }}
 - --prefill-component
 - prefill
 - --decode-component
@@ -93,15 +114,81 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - --min-resident-fraction
 - {{ $r.minResidentFraction | quote }}
 - --etcd-url
-- {{ required "platform.etcdUrl is required (the router keeps sessions in etcd)" .Values.platform.etcdUrl | quote }}
+- {{ required "platform.etcdUrl is required (sessions live in etcd)" .Values.platform.etcdUrl | quote }}
 - --nats-url
 - {{ required "platform.natsUrl is required (KV events travel over NATS)" .Values.platform.natsUrl | quote }}
 - --metrics-host
 - "0.0.0.0"
 - --metrics-port
 - {{ $r.metricsPort | quote }}
-{{- range $r.extraArgs }}
+{{- end -}}
+
+{{/* The relay router's arguments (after `python3 -m dynamo_ppd.router`), one per line. */}}
+{{- define "ppd.routerArgs" -}}
+{{ include "ppd.policyArgs" . }}
+- --namespace
+- {{ include "ppd.dynamoNamespace" . | quote }}
+{{- range .Values.router.extraArgs }}
 - {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The endpoint picker's arguments (after `python3 -m dynamo_ppd.picker`), one per line. */}}
+{{- define "ppd.pickerArgs" -}}
+{{- $p := .Values.picker -}}
+{{ include "ppd.policyArgs" . }}
+- --grpc-host
+- "0.0.0.0"
+- --grpc-port
+- {{ $p.grpcPort | quote }}
+- --health-port
+- {{ $p.healthPort | quote }}
+{{- if $p.secureServing }}
+- --secure-serving
+{{- end }}
+- --frontend
+- {{ printf "%s-frontend-pool.%s.svc.cluster.local:%v" (include "ppd.fullname" .) .Release.Namespace .Values.frontend.httpPort | quote }}
+- --frontend-refresh
+- {{ $p.frontendRefresh | quote }}
+{{- range $p.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The init container that writes the model's tokenizer, chat template and config, plus the
+     dynamo_ppd_model.json the picker and the router look for (deploy/prepare_model.py in our
+     image), into the "model" volume. */}}
+{{- define "ppd.modelInit" -}}
+- name: model-init
+  image: {{ .Values.images.router | quote }}
+  imagePullPolicy: {{ .Values.images.pullPolicy }}
+  command: ["python3", "/opt/dynamo-ppd/prepare_model.py"]
+  args:
+    - --model
+    - {{ .Values.model.name | quote }}
+    - --out
+    - /model
+    - --served-model-name
+    - {{ include "ppd.servedModelName" . | quote }}
+    - --tokenizer-only
+  envFrom:
+    - secretRef:
+        name: {{ .Values.model.hfTokenSecret }}
+  volumeMounts:
+    - name: model
+      mountPath: /model
+{{- end -}}
+
+{{/* Discovery and event-plane environment of every process of the graph and of the picker:
+     the workers register where the picker and the router read them. */}}
+{{- define "ppd.planeEnv" -}}
+- name: DYN_EVENT_PLANE
+  value: nats
+- name: NATS_SERVER
+  value: {{ .Values.platform.natsUrl | quote }}
+{{- if eq .Values.dynamo.discoveryBackend "etcd" }}
+- name: ETCD_ENDPOINTS
+  value: {{ .Values.platform.etcdUrl | quote }}
 {{- end }}
 {{- end -}}
 
@@ -145,7 +232,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
             - --disaggregation-mode
             - {{ .name }}
             - --endpoint
-            - {{ printf "dyn://%s.%s.generate" (include "ppd.workersNamespace" $root) $component | quote }}
+            - {{ printf "dyn://%s.%s.generate" (include "ppd.workersEndpointNamespace" $root) $component | quote }}
             - --extra-engine-args
             - {{ printf "/etc/ppd/engine/%s" $v.engineConfig | quote }}
             {{- with $v.engineOverrides }}
@@ -163,11 +250,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
             - secretRef:
                 name: {{ $root.Values.model.hfTokenSecret }}
           env:
-            # KV events and forward-pass metrics go over NATS, where the router subscribes.
-            - name: DYN_EVENT_PLANE
-              value: nats
-            - name: NATS_SERVER
-              value: {{ $root.Values.platform.natsUrl | quote }}
+            # KV events and forward-pass metrics go over NATS, where the picker or router subscribes.
+            {{- include "ppd.planeEnv" $root | nindent 12 }}
             - name: DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS
               value: '["generate"]'
             {{- with $v.env }}
