@@ -274,3 +274,30 @@ def test_rendered_frontend_and_worker_commands_parse_with_dynamo(helm, tmp_path,
         assert prefill["namespace"] == decode["namespace"] == frontend["namespace"]
     else:  # hidden from the frontend, behind the router
         assert prefill["namespace"] == decode["namespace"] != frontend["namespace"]
+
+
+@pytest.mark.unit
+def test_deploy_readme_names_only_values_and_objects_the_chart_has():
+    """The commands in deploy/README.md: every `--set` key is a chart value, and the names it
+    types (the picker Service in Istio's DestinationRule, the Gateway) are the chart's defaults."""
+    readme = (CHART.parent.parent / "README.md").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    # The chart's own commands (helm install/template of deploy/helm/dynamo-ppd, continuation lines
+    # joined) and the `--set ...` the prose suggests; other charts' flags (dynamo-platform, kgateway)
+    # are theirs.
+    joined = readme.replace("\\\n", " ")
+    ours = [line for line in joined.splitlines() if "deploy/helm/dynamo-ppd " in line]
+    ours += re.findall(r"`[^`\n]*--set [^`\n]*`", readme)
+    setting = r"--set(?:-file|-json|-string)? ([A-Za-z][\w.]*?)(?:\.\"[^\"]*\")?="
+    keys = [key for text in ours for key in re.findall(setting, text)]
+    assert {"routing", "images.router", "gateway.name", "picker.secureServing"} <= set(keys)
+    for key in keys:
+        node = values
+        for part in key.split("."):
+            if node == {}:  # a free-form map (labels, node selector): any key
+                break
+            assert isinstance(node, dict) and part in node, f"deploy/README.md sets {key}, not a chart value"
+            node = node[part]
+    assert "host: ppd-picker.llm.svc.cluster.local" in readme  # release ppd, namespace llm
+    assert f"metadata: {{name: {values['gateway']['name']}}}" in readme
+    assert values["routing"] == "picker" and values["picker"]["secureServing"] is True
