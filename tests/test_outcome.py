@@ -8,6 +8,7 @@ import csv
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from dynamo_ppd.bench.client import RequestResult
@@ -30,6 +31,12 @@ from dynamo_ppd.sim.run import simulate
 pytestmark = pytest.mark.unit
 
 PROFILE = load_profile()
+# `mixed_workload`'s timings were tuned on the default profile's cost constants before their refit
+# to AIConfigurator (docs/engine-aic.md): with them every late answer lands before the run
+# settles, and a cut at 3 s catches some mid-answer. Pinned, so that a refit does not move them.
+TUNED = msgspec.structs.replace(PROFILE, cost=msgspec.structs.replace(
+    PROFILE.cost, iteration_overhead_s=0.001, memory_bandwidth_efficiency=0.88,
+    gemm_flops_efficiency=0.62, attention_flops_efficiency=0.45))
 PAPER_CSV = Path(__file__).resolve().parents[2] / "shared" / "paper-data" / "comprehensive.csv"
 
 
@@ -189,7 +196,7 @@ def test_live_client_timeouts_are_timeouts_and_other_errors_stay():
 @pytest.mark.parametrize("until_s", [None, 3.0])
 def test_simulated_and_live_requests_give_the_same_outcome(until_s):
     timeout = 2.0
-    result = simulate(Cluster.from_config(PROFILE, "1P1D"), mixed_workload(), pd_router, timeout_s=timeout,
+    result = simulate(Cluster.from_config(TUNED, "1P1D"), mixed_workload(), pd_router, timeout_s=timeout,
                       until_s=until_s)
     assert any(r.finished_s - r.arrival_s > timeout for r in result.records)  # late answers
     assert bool(result.in_flight) == (until_s is not None)

@@ -223,23 +223,36 @@ def _objective(f: _Features, theta: np.ndarray, measured: np.ndarray) -> float:
     return float(np.sum((t / measured - 1) ** 2))
 
 
-def _alternate(f: _Features, theta: np.ndarray, measured: np.ndarray, max_rounds: int = 100) -> np.ndarray:
+def _alternate(f: _Features, theta: np.ndarray, measured: np.ndarray, max_rounds: int = 100,
+               fixed_a: float | None = None) -> np.ndarray:
+    """``fixed_a``: seconds per byte held there (the bandwidth not fitted); the others fit around it."""
     seen: set[tuple[bool, ...]] = set()
+    if fixed_a is not None:
+        theta = np.array([theta[0], fixed_a, theta[2], theta[3]])
     best, best_cost = theta, _objective(f, theta, measured)
     for _ in range(max_rounds):
         rows, pattern = _design(f, theta)
         if pattern in seen:  # the active sides repeat: converged (or cycling)
             break
         seen.add(pattern)
-        theta = _nnls(rows / measured[:, None], np.ones(len(measured)))
+        scaled = rows / measured[:, None]
+        if fixed_a is None:
+            theta = _nnls(scaled, np.ones(len(measured)))
+        else:
+            rest = _nnls(scaled[:, [0, 2, 3]], 1 - scaled[:, 1] * fixed_a)
+            theta = np.array([rest[0], fixed_a, rest[1], rest[2]])
         cost = _objective(f, theta, measured)
         if cost < best_cost:
             best, best_cost = theta, cost
     return best
 
 
-def calibrate(base: EngineProfile, measurements: Measurements, name: str | None = None) -> CalibrationResult:
-    """Refit ``base``'s cost constants to ``measurements``; everything else is kept."""
+def calibrate(base: EngineProfile, measurements: Measurements, name: str | None = None,
+              max_bandwidth_efficiency: float = 1.0) -> CalibrationResult:
+    """Refit ``base``'s cost constants to ``measurements``; everything else is kept. A bandwidth
+    efficiency the fit puts above ``max_bandwidth_efficiency`` (a physical bound: no kernel
+    streams HBM at its peak) is held at that bound and the other three constants refit around it
+    (it is then listed as clamped)."""
     points = measurements.points
     hw, cost = base.hardware, base.cost
     measured = np.array([p.measured_s for p in points])
@@ -248,9 +261,16 @@ def calibrate(base: EngineProfile, measurements: Measurements, name: str | None 
                       1 / (hw.peak_memory_bandwidth_bytes_s * cost.memory_bandwidth_efficiency),
                       1 / (hw.peak_bf16_flops * cost.gemm_flops_efficiency),
                       1 / (hw.peak_bf16_flops * cost.attention_flops_efficiency)])
-    candidates = [_alternate(features, start * np.array([1.0, *scale]), measured)
-                  for scale in [(1.0, 1.0, 1.0), *itertools.product((0.5, 2.0), repeat=3)]]
+    scales = [(1.0, 1.0, 1.0), *itertools.product((0.5, 2.0), repeat=3)]
+    candidates = [_alternate(features, start * np.array([1.0, *scale]), measured) for scale in scales]
     theta = min(candidates, key=lambda t: _objective(features, t, measured))
+    bandwidth_bound = False
+    if theta[1] > 0 and 1.0 / (theta[1] * hw.peak_memory_bandwidth_bytes_s) > max_bandwidth_efficiency:
+        fixed_a = 1.0 / (hw.peak_memory_bandwidth_bytes_s * max_bandwidth_efficiency)
+        candidates = [_alternate(features, start * np.array([1.0, *scale]), measured, fixed_a=fixed_a)
+                      for scale in scales]
+        theta = min(candidates, key=lambda t: _objective(features, t, measured))
+        bandwidth_bound = True
 
     rows, _ = _design(features, theta)
     peaks = {"memory_bandwidth_efficiency": (hw.peak_memory_bandwidth_bytes_s, 1),
@@ -264,9 +284,10 @@ def calibrate(base: EngineProfile, measurements: Measurements, name: str | None 
             values[field] = getattr(cost, field)
             continue
         efficiency = 1.0 / (theta[j] * peak) if theta[j] > 0 else math.inf
-        if efficiency > 1.0:
+        bound = max_bandwidth_efficiency if field == "memory_bandwidth_efficiency" else 1.0
+        if efficiency > bound * (1 + 1e-9) or (field == "memory_bandwidth_efficiency" and bandwidth_bound):
             clamped.append(field)
-        values[field] = float(min(1.0, efficiency))
+        values[field] = float(min(bound, efficiency))
     new_cost = msgspec.structs.replace(cost, **values)
     profile = msgspec.structs.replace(base, name=name or f"{base.name}-calibrated", cost=new_cost)
     return CalibrationResult(profile, fit_quality(base, points), fit_quality(profile, points),
