@@ -104,14 +104,18 @@ def _add_model(sub) -> None:
 
 def _add_engine(sub) -> None:
     p = sub.add_parser("engine", help="the simulated TensorRT-LLM engine: profiles, calibration")
-    esub = p.add_subparsers(dest="engine_command", required=True, metavar="{profiles,calibrate}")
+    esub = p.add_subparsers(dest="engine_command", required=True, metavar="{profiles,calibrate,aic}")
     esub.add_parser("profiles", help="list the bundled engine profiles and what they derive",
                     description="List bundled engine profiles with derived KV capacity and timings.")
-    from ..bench import calibrate
+    from ..bench import aic, calibrate
 
     calibrate.add_arguments(esub.add_parser(
         "calibrate", help="fit a profile's cost constants to measured iteration timings",
         description=calibrate.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    aic.add_arguments(esub.add_parser(
+        "aic", help="compare a profile's cost model with NVIDIA AIConfigurator's TensorRT-LLM "
+        "predictions and refit its constants to them",
+        description=aic.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def _add_sim(sub) -> None:
@@ -176,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router(sub)
     _add_bench(sub)
     _add_ctl(sub)
+    from . import advise as advise_cli
+
+    advise_cli.add_arguments(sub.add_parser(
+        "advise", help="which deployment (replicas, a P:D split, a hybrid) and PPD weights to run "
+        "for a workload on N GPUs, from simulating them all", description=advise_cli.__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     from . import chaos as chaos_cli
 
     chaos_cli.add_arguments(sub.add_parser(
@@ -238,12 +248,14 @@ def _model(args) -> int:
 
 
 def _engine(args) -> int:
-    from ..bench import calibrate
+    from ..bench import aic, calibrate
     from ..engine.cost import CostModel, PrefillChunk
     from ..engine.profile import bundled_profiles, load_profile
 
     if args.engine_command == "calibrate":
         return calibrate.main(args)
+    if args.engine_command == "aic":
+        return aic.main(args)
     print(f"{'profile':<20}{'hardware':<26}{'KV blocks':>10}{'KV tokens':>11}{'TPOT b=1':>10}"
           f"{'prefill 1K':>12}")
     for name in bundled_profiles():
@@ -307,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
             from . import chaos as chaos_cli
 
             return chaos_cli.main(args)
+        if args.command == "advise":
+            from . import advise as advise_cli
+
+            return advise_cli.main(args)
     except (GraphError, BadInput, ModelDirError, ProfileError) as exc:
         return cli_error(exc)
     except LaunchError as exc:
