@@ -71,6 +71,9 @@ def test_conversations_needed_scales_with_the_square_of_the_width():
     assert bs.conversations_needed(100, wide) == 440  # 100 x (0.2 / 0.1)^2 x 1.1
     assert bs.conversations_needed(100, bs.Interval(10.0, 9.5, 10.4, 100)) == 100
     assert bs.conversations_needed(100, None) == 200
+    # Narrow by chance over 2 sampled conversations (of 20 sent): not trusted, grow to 20 sampled.
+    assert bs.conversations_needed(20, bs.Interval(10.0, 9.9, 10.1, 2)) == 200
+    assert bs.conversations_needed(20, bs.Interval(10.0, 9.9, 10.1, 20)) == 20
 
 
 def test_bench_compare_rejects_settings_it_cannot_honour(tmp_path, capsys):

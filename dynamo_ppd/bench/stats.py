@@ -19,6 +19,9 @@ import numpy as np
 LEVEL = 0.95
 RESAMPLES = 2000
 TARGET_HALF_WIDTH = 0.10  # +-10% of the figure: what `bench compare` sizes points for
+# A bootstrap over a handful of conversations can come out narrow by chance (two conversations'
+# follow-ups, nearly equal): an interval is trusted only over at least this many.
+MIN_CONVERSATIONS = 20
 
 
 class Interval(msgspec.Struct, frozen=True):
@@ -124,9 +127,11 @@ def conversations_needed(current: int, interval: Interval | None,
                          target: float = TARGET_HALF_WIDTH) -> int:
     """Conversations for the interval to reach ``target``: a bootstrap interval narrows as
     1/sqrt(conversations), so scale by (half-width / target)^2 (with 10% to spare). No interval
-    (nothing measured): double."""
+    (nothing measured): double; one over fewer than `MIN_CONVERSATIONS`: enough for that many."""
     if interval is None or not np.isfinite(interval.half_width):
         return 2 * current
+    if interval.conversations < MIN_CONVERSATIONS:  # too few to trust: grow to that many sampled
+        return max(current + 1, int(np.ceil(current * MIN_CONVERSATIONS / max(1, interval.conversations))))
     if interval.within(target):
         return current
     return int(np.ceil(round(current * (interval.half_width / target) ** 2 * 1.1, 6)))
