@@ -70,6 +70,13 @@ def test_decode_goes_to_the_fewest_requests_then_the_least_context():
         pick_decode([], state())
 
 
+def test_a_worker_reporting_work_this_router_did_not_send_gets_no_new_conversation():
+    # D0 runs 64 long decodes another router (or a background job) sent: its report says so.
+    hot = ClusterState(["P0"], ["D0", "D1"], {"D0": WorkerLoad(decode_requests=64)},
+                       {"D0": Routed(), "D1": Routed(requests=1, context_tokens=500)}, {})
+    assert pick_decode(["D0", "D1"], hot) == "D1"
+
+
 def test_a_new_conversation_goes_through_the_chosen_prefill_worker_to_the_least_loaded_decode():
     s = state(routed={"D0": Routed(requests=3)}, cached={"P1": 64})
     placed = place(policy(Mode.LOCAL), s, turn(turn=1, session=None, history=0))

@@ -99,13 +99,19 @@ def pick_prefill(candidates: Sequence[W], prompt_tokens: int, state: ClusterStat
 
 def pick_decode(candidates: Sequence[W], state: ClusterState[W]) -> W:
     """A new conversation's decode worker (also a via-prefill follow-up's if its own is hot): the
-    fewest requests in flight, then the least context, then the lowest id (never by hash)."""
+    fewest requests in flight (this router's count or the worker's report, the larger), then the
+    least context routed there, then the lowest id (never by hash)."""
     if not candidates:
         raise ValueError("no decode worker to place the turn on")
 
     def key(worker: W) -> tuple[int, int, W]:
+        # Requests: what this router sent there or what the worker reports running, whichever is
+        # larger (as `Loads.of` merges them), so that work it did not send (another replica's, a
+        # background job's) keeps new conversations away too. Context: the prompts it routed
+        # there, not the worker's KV, which grows as it answers (ranking by that sent the
+        # simulator's conversations elsewhere than the live router's, docs/bench/dilation.md).
         routed = state.routed_to(worker)
-        return routed.requests, routed.context_tokens, worker
+        return max(routed.requests, state.load(worker).decode_requests), routed.context_tokens, worker
 
     return min(candidates, key=key)
 
