@@ -4,8 +4,12 @@
 default:
     @just --list
 
-# `exec`: a SIGTERM to `just` then reaches the launcher, which stops every process.
-# Run a graph locally (default `ppd`: frontend, PPD router, 1 prefill + 3 decode workers); Ctrl-C stops it.
+# `exec`: a SIGTERM to `just` then reaches the launcher, which stops every process. After a
+# Ctrl-C just itself prints "error: interrupted by SIGINT" and exits 130, however cleanly the
+# graph stopped (just reports any signal it saw while a recipe ran); `uv run dynamo-ppd serve`
+# exits 0.
+
+# Run a graph locally (default `ppd`: gateway, PPD endpoint picker, Dynamo frontend, 1P3D); Ctrl-C stops it.
 serve graph="ppd" *args:
     exec uv run dynamo-ppd serve {{graph}} {{args}}
 
@@ -38,9 +42,10 @@ bench *args:
 model-init *args:
     uv run dynamo-ppd model init {{args}}
 
-# Interference micro-benchmark (paper Fig. 2/7/8) on the engine model, both protocols: the paper's
-# (paper-stack profile, beside the authors' H100 measurements) -> docs/interference-paper.{json,png};
-# the closed loop (default profile) -> docs/interference.{json,png}.
+# Both protocols: the paper's (paper-stack profile, beside the authors' H100 measurements) ->
+# docs/interference-paper.{json,png}; the closed loop (default profile) -> docs/interference.{json,png}.
+
+# Interference micro-benchmark (paper Fig. 2/7/8) on the engine model -> docs/interference*.{json,png}.
 interference *args:
     uv run dynamo-ppd sim interference --protocol paper --profile h100-llama3.1-8b-vllm-paper --json docs/interference-paper.json --png docs/interference-paper.png {{args}}
     uv run dynamo-ppd sim interference --protocol closed-loop --json docs/interference.json --png docs/interference.png {{args}}
@@ -57,17 +62,21 @@ tables:
 reproduce *args:
     uv run python -m dynamo_ppd.bench.reproduce {{args}}
 
-# Chaos run: 2 conv/s WildChat-like on supervised graphs, one fault each (decode/prefill SIGKILL,
-# router/etcd/NATS restart) -> docs/chaos.md, docs/chaos.json (see `dynamo-ppd chaos --help`).
+# Faults: decode/prefill SIGKILL, router/etcd/NATS restart, one per supervised graph, at 2 conv/s
+# WildChat-like (see `dynamo-ppd chaos --help`).
+
+# Chaos run: one fault per supervised graph -> docs/chaos.md, docs/chaos.json.
 chaos *args:
     uv run dynamo-ppd chaos --out docs/chaos {{args}}
 
-# CPU per relayed token of the PPD router, a bare pass-through relay and Dynamo's frontend-native PD,
-# router replicas, TTFT at low load (see `python -m dynamo_ppd.bench.relay --help`).
+# Also router replicas and TTFT at low load (see `python -m dynamo_ppd.bench.relay --help`).
+
+# CPU per relayed token: the PPD relay router, a bare pass-through relay, Dynamo's frontend-native PD.
 bench-relay *args:
     uv run python -m dynamo_ppd.bench.relay {{args}}
 
-# CPU the PPD router's own state costs, in process against real etcd and NATS: per conversation's
-# session work, per KV-event message (see `python -m dynamo_ppd.bench.router_state --help`).
+# In process against real etcd and NATS (see `python -m dynamo_ppd.bench.router_state --help`).
+
+# CPU the PPD router's own state costs: per conversation's session work, per KV-event message.
 bench-router-state *args:
     uv run python -m dynamo_ppd.bench.router_state {{args}}

@@ -22,7 +22,14 @@ from dynamo_ppd.engine import (
     TransferLink,
     load_profile,
 )
-from dynamo_ppd.engine.handoff import HandoffError, TransferHandle, pack_params, unpack_params
+from dynamo_ppd.engine.handoff import (
+    HandoffError,
+    TransferHandle,
+    decode_leg,
+    pack_params,
+    prefill_leg,
+    unpack_params,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -200,6 +207,38 @@ def test_generation_only_waits_for_transfer_and_starts_with_prefill_token():
     assert outputs[0].token_ids == [1234] and outputs[0].at == pytest.approx(0.2)
     assert len(outputs) == 5 and engine.prefill_tokens_computed == 0
     assert len(engine.cache.cached_hashes()) == 500 // 32  # received blocks are reusable
+
+
+def test_an_answer_through_a_prefill_worker_continues_the_prefill_token_stream():
+    # Both legs of a P->D request carry the same request id and, on live workers, the same seed:
+    # a decode leg that restarted the sampler repeated the prefill's token as its second one
+    # ("blietfamviem blietfamviem ..."). The answer must be the one stream an aggregated worker
+    # samples for that request, whatever the route.
+    prompt = fresh(300, 1)
+    prefill = Engine(PROFILE)
+    prefill.submit(prefill_leg("r", prompt), 0.0)
+    _, outputs = run_until_idle(prefill)
+    first = outputs[-1].token_ids[0]
+    decode = Engine(PROFILE)
+    decode.submit(decode_leg("r", prompt, 40, first, kv_ready_at=0.0), 0.0)
+    _, outputs = run_until_idle(decode)
+    via_prefill = [t for o in outputs for t in o.token_ids]
+    local = Engine(PROFILE)
+    local.submit(EngineRequest("r", prompt, 40), 0.0)
+    _, outputs = run_until_idle(local)
+    assert via_prefill == [t for o in outputs for t in o.token_ids]
+    assert via_prefill[1] != via_prefill[0]
+
+
+def test_no_answer_through_a_prefill_worker_repeats_its_first_token():
+    for n in range(50):
+        prompt = fresh(64, n)
+        prefill, decode = Engine(PROFILE), Engine(PROFILE)
+        prefill.submit(prefill_leg(f"req-{n}", prompt), 0.0)
+        first = run_until_idle(prefill)[1][-1].token_ids[0]
+        decode.submit(decode_leg(f"req-{n}", prompt, 4, first, kv_ready_at=0.0), 0.0)
+        tokens = [t for o in run_until_idle(decode)[1] for t in o.token_ids]
+        assert tokens[0] == first and tokens[1] != first, n
 
 
 def test_context_only_returns_one_token():

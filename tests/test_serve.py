@@ -85,6 +85,12 @@ def test_pd_request_goes_prefill_then_decode_and_stop_leaves_nothing(serve_run, 
     assert run.leftover_pids() == []
     assert live_dynamo_keys(own_etcd, "dynamo") == []  # every worker deregistered
     assert run.record()["state"] == "stopped"
+    # The logs are files to read: no colour codes, and the launcher's readiness polls (503 from a
+    # worker's /health until it serves) are not ERROR lines.
+    for proc in record["processes"]:
+        text = Path(proc["log"]).read_text()
+        assert "\x1b[" not in text, proc["label"]
+        assert "503 Service Unavailable" not in text, proc["label"]
 
 
 @pytest.mark.slow
@@ -130,6 +136,47 @@ def test_sigint_during_startup_stops_everything(model_dir, tmp_path):
         time.sleep(0.05)
     run.proc.send_signal(signal.SIGINT)
     assert run.proc.wait(60) == 130
+    assert run.leftover_pids() == []
+
+
+# A stand-in frontend: lists the model on /v1/models, as serve's readiness check wants.
+FAKE_FRONTEND = """
+import http.server, json, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": sys.argv[2]}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_a_ready_graph_stops_it_and_exits_0(model_dir, tmp_path):
+    """Ctrl-C is how a user ends `serve`: a clean stop, not an error (exit 0, one "stopped" line).
+    (`uv run just serve` still ends with just's own "error: interrupted by SIGINT" and 130:
+    just reports any signal it saw while a recipe ran, whatever the recipe's exit code.)"""
+    from conftest import ServeRun
+
+    script = tmp_path / "frontend.py"
+    script.write_text(FAKE_FRONTEND)
+    graph = tmp_path / "tiny.yaml"
+    graph.write_text(f"""
+name: tiny
+components:
+  - name: frontend
+    command: ["{{python}}", "{script}", "{{http_port}}", "{{model_name}}"]
+""")
+    run = ServeRun(str(graph), tmp_path / "run")
+    run.wait_ready()
+    run.proc.send_signal(signal.SIGINT)  # what the terminal sends on Ctrl-C
+    assert run.proc.wait(60) == 0
+    lines = run.output().strip().splitlines()
+    assert lines[-1] == "stopped: no process of the run is left"
+    assert sum(line.startswith("stopped") for line in lines) == 1
+    assert not any("error" in line.lower() or "Traceback" in line for line in lines), lines
     assert run.leftover_pids() == []
 
 

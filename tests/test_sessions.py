@@ -187,6 +187,8 @@ def test_a_long_session_id_is_a_400_before_any_work():
             await turn(router, list(range(2000, 2100)), session="s" * 10_000)
         assert router.clients["prefill"].sent == [] and router.clients["decode"].sent == []
         assert len(router.sessions.table) == 0
+        # Counted as the picker counts it: a client's bad request.
+        assert router.metrics.errors.labels("bad_request")._value.get() == 1
 
     asyncio.run(run())
 

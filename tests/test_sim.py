@@ -299,6 +299,54 @@ def test_cli_timeout_fails_late_turns_and_ends_their_conversations(capsys):
     assert re.search(r"turns 2\+ +0/0 ", text)  # no follow-up was sent
 
 
+def test_cli_runs_ppd_on_a_named_workload(tmp_path, capsys):
+    # The done-when, on a shorter arrival window: PPD with the shipped 1P3D table.
+    out = tmp_path / "sim.json"
+    assert cli("--router", "ppd", "--config", "1P3D", "--workload", "wildchat", "--qps", "4",
+               "--duration", "3", "--json", str(out)) == 0
+    text = capsys.readouterr().out
+    assert "router ppd (weights 1,1; table h100-llama3.1-8b-1p3d.json)" in text
+    assert "workload wildchat" in text and "(30 s timeout)" in text and "turns 2+" in text
+    document = json.loads(out.read_text())
+    assert document["summary"]["outcome"]["turn2"]["count"] > 0
+    assert {r["route"] for r in document["records"]} <= {"via_prefill", "decode_local"}
+
+
+def test_cli_ppd_without_a_shipped_table_predicts_from_the_profile(capsys):
+    assert cli("--router", "ppd", "--config", "1P1D", "--weights", "1,3", "--qps", "2",
+               "--duration", "2") == 0
+    assert "router ppd (weights 1,3; no table: profile predictions)" in capsys.readouterr().out
+    assert cli("--router", "ppd", "--config", "1P3D", "--table", "none", "--rate", "2",
+               "--duration", "1") == 0
+    assert "no table: profile predictions" in capsys.readouterr().out
+
+
+def test_cli_runs_every_peer_policy_of_sim_compare(capsys):
+    from dynamo_ppd.sim.peers import PEER_ROUTERS, REPLICA_PEERS
+
+    for name in PEER_ROUTERS:
+        config = "4R" if name in REPLICA_PEERS else "1P3D"
+        assert cli("--router", name, "--config", config, "--qps", "2", "--duration", "1") == 0, name
+        assert f"router {name}" in capsys.readouterr().out
+
+
+def test_cli_rate_is_qps():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--rate", "3"]).qps == parser.parse_args(["--qps", "3"]).qps == 3.0
+
+
+def test_cli_refuses_synthetic_shape_with_a_named_workload(capsys):
+    assert cli("--workload", "wildchat", "--turns", "3") == 2
+    err = capsys.readouterr().err
+    assert "--turns" in err and "--workload" in err and len(err.strip().splitlines()) == 1
+    assert cli("--workload", "no-such-workload") == 2
+    assert "known workloads" in capsys.readouterr().err
+    assert cli("--router", "ppd", "--weights", "1,3", "--table", "/no/such/table.json") == 2
+    with pytest.raises(SystemExit):
+        cli("--weights", "1")
+
+
 def test_cli_rejects_bad_settings(capsys):
     assert cli("--config", "3X") == 2
     assert "dynamo-ppd: error" in capsys.readouterr().err

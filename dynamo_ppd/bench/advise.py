@@ -39,10 +39,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 import msgspec
 
-from ..engine.profile import DEFAULT_PROFILE, EngineProfile, link_preset, load_profile
-from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
-from ..policy.simulate import PolicyRouter
-from ..policy.table import CONFIGS, Weights, bundled_table, load_table, reweight
+from ..engine.profile import EngineProfile, link_preset, load_profile
+from ..policy.simulate import ppd_router as simulate_ppd_router
+from ..policy.table import Weights, load_table, shipped_table
 from ..sim import peers
 from ..sim.outcome import SUCCESS_BAR, TurnResult, succeeded, tpot_s
 from ..sim.routing import Router, local_router, paper_proxy_router, parse_paper_config, pd_router
@@ -85,15 +84,11 @@ def policies_for(deployment: str, weights: Sequence[tuple[float, float]] = PPD_W
 
 def ppd_router(profile: EngineProfile, profile_name: str, config: str,
                weights: tuple[float, float]) -> Router:
-    """PPD at ``weights``: the shipped table of ``config`` when one ships for this profile (the
-    4-GPU splits of the default profile), else decisions predicted from the profile alone (what
-    the router does with ``--table none``)."""
-    table = None
-    if profile_name == DEFAULT_PROFILE and config in CONFIGS:
-        table = reweight(load_table(bundled_table(config)), Weights(*weights))
-    policy = Policy(PolicyConfig(Mode.PPD, w_ttft=weights[0], w_tpot=weights[1]),
-                    ProfilePredictor(profile), table)
-    return PolicyRouter(policy)
+    """PPD at ``weights``, as `sim run --router ppd` builds it: the table shipped for ``config``
+    when one ships for this profile (the 4-GPU splits of the default profile), else decisions
+    predicted from the profile alone (what the router does with ``--table none``)."""
+    path = shipped_table(profile_name, config)
+    return simulate_ppd_router(profile, Weights(*weights), load_table(path) if path else None)
 
 
 def make_router(profile: EngineProfile, profile_name: str, deployment: str, policy: str,

@@ -1,5 +1,6 @@
-"""`dynamo-ppd sim run`: simulate a multi-turn workload on a virtual-clock P/D cluster with a
-routing mode, print the outcome (turn 1, turns 2+, all) and the routes taken, and optionally write
+"""`dynamo-ppd sim run`: simulate a multi-turn workload (a named one, or a synthetic shape) on a
+virtual-clock P/D cluster with one router (the built-in modes, PPD's policy, or a peer's of `sim
+compare`), print the outcome (turn 1, turns 2+, all) and the routes taken, and optionally write
 every request record as JSON. The simulation itself is `dynamo_ppd.sim.run.simulate`.
 """
 
@@ -7,16 +8,30 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
-from ..argtypes import cli_error, positive_seconds
-from ..engine import DEFAULT_PROFILE, ProfileError, load_profile
-from ..sim.cluster import Cluster
-from ..sim.conversation import synthetic_workload
-from ..sim.outcome import Outcome
-from ..sim.routing import ROUTER_NAMES, RoutingError, make_router
+from ..argtypes import cli_error, positive_float, positive_seconds
+from ..engine import DEFAULT_PROFILE, EngineProfile, ProfileError, load_profile
+from ..policy.simulate import ppd_router
+from ..policy.table import TableError, Weights, load_table, parse_weights, shipped_table
+from ..sim.cluster import Cluster, parse_config
+from ..sim.conversation import Conversation, synthetic_workload
+from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, Outcome
+from ..sim.peers import PEER_ROUTERS
+from ..sim.routing import ROUTER_NAMES, Router, RoutingError, make_router
 from ..sim.run import SimResult, simulate
+from ..workloads.generators import PAPER_WORKLOADS, UnknownWorkload, make_workload
+from ..workloads.manifest import to_sim
+
+# The built-in modes, PPD's own policy (`sim.routing` is core and cannot build it: the policy
+# package sits beside it), and every peer `sim compare` runs.
+SIM_ROUTERS = (*ROUTER_NAMES, "ppd", *PEER_ROUTERS)
+# The synthetic workload's shape: (flag, attribute, default); None on the command line means not
+# given, so a named workload can refuse them instead of silently ignoring them.
+SYNTHETIC_SHAPE = (("--turns", "turns", 2), ("--first-turn", "first_turn", (1024, 128)),
+                   ("--follow-up", "follow_up", (128, 128)), ("--think-time", "think_time", 0.0))
 
 
 def _token_pair(text: str) -> tuple[int, int]:
@@ -29,6 +44,13 @@ def _token_pair(text: str) -> tuple[int, int]:
     return n_in, n_out
 
 
+def _weights(text: str) -> Weights:
+    try:
+        return parse_weights(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `dynamo-ppd sim run`."""
     parser.add_argument("--profile", default=DEFAULT_PROFILE,
@@ -36,29 +58,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="1P3D",
                         help="workers: counts of Prefill, Decode and Replica (aggregated) workers, "
                         "e.g. 1P3D, 2P2D, 3P1D, 4R")
-    parser.add_argument("--router", choices=ROUTER_NAMES, default="pd",
+    parser.add_argument("--router", choices=SIM_ROUTERS, default="pd", metavar="ROUTER",
                         help="pd: every turn via a prefill worker (x=0); local: turns 2+ on the "
                         "conversation's decode worker (x=1); fraction: turns 2+ local with probability "
-                        "--local-fraction; agg: aggregated workers by longest cached prefix")
+                        "--local-fraction; agg: aggregated workers by longest cached prefix; ppd: the "
+                        "PPD policy (--weights, --table) with online correction; or a peer of `sim "
+                        f"compare`: {', '.join(PEER_ROUTERS)} (dynamo-kv-agg on replicas: --config 4R)")
     parser.add_argument("--local-fraction", type=float, default=0.5,
                         help="share of turns 2+ run on the decode worker, for --router fraction")
-    parser.add_argument("--rate", type=float, default=4.0, help="new conversations per second (Poisson)")
-    parser.add_argument("--duration", type=float, default=10.0,
+    parser.add_argument("--weights", type=_weights, default=Weights(1.0, 1.0), metavar="W_TTFT,W_TPOT",
+                        help="--router ppd: the operator's weights on turn-2+ TTFT and TPOT (default 1,1)")
+    parser.add_argument("--table", default="auto", metavar="auto|none|PATH",
+                        help="--router ppd: auto = the table shipped for --config and --profile (1P3D, "
+                        "2P2D, 3P1D of the default profile), else the profile's predictions; none = "
+                        "the predictions always; or a table JSON")
+    parser.add_argument("--workload", metavar="NAME",
+                        help="a named workload (wildchat, sharegpt, long-context, many-turn, agent-32k, "
+                        "turns-N, the paper's small_tiny ...; an unknown name lists them all) "
+                        "instead of the synthetic --turns/--first-turn/--follow-up/--think-time shape")
+    parser.add_argument("--qps", "--rate", dest="qps", type=positive_float, default=4.0,
+                        help="new conversations per second (Poisson); --rate is the same")
+    parser.add_argument("--duration", type=positive_float, default=10.0,
                         help="seconds during which conversations start; the run goes on until all finish")
-    parser.add_argument("--turns", type=int, default=2, help="turns per conversation")
-    parser.add_argument("--first-turn", type=_token_pair, default=(1024, 128), metavar="IN,OUT",
-                        help="first turn: user tokens, max output tokens")
-    parser.add_argument("--follow-up", type=_token_pair, default=(128, 128), metavar="IN,OUT",
-                        help="each later turn: new user tokens, max output tokens")
-    parser.add_argument("--think-time", type=float, default=0.0,
-                        help="seconds between a turn's last token and the user's next message")
+    parser.add_argument("--turns", type=int, help="synthetic workload: turns per conversation (default 2)")
+    parser.add_argument("--first-turn", type=_token_pair, metavar="IN,OUT",
+                        help="synthetic workload: first turn's user tokens, max output tokens "
+                        "(default 1024,128)")
+    parser.add_argument("--follow-up", type=_token_pair, metavar="IN,OUT",
+                        help="synthetic workload: each later turn's new user tokens, max output tokens "
+                        "(default 128,128)")
+    parser.add_argument("--think-time", type=float,
+                        help="synthetic workload: seconds between a turn's last token and the user's "
+                        "next message (default 0)")
     parser.add_argument("--link-bandwidth", type=float, metavar="GB/S",
                         help="KV transfer bandwidth of each prefill worker's link in GB/s (1e9 "
                         "bytes/s); default: the profile's")
     parser.add_argument("--timeout", type=positive_seconds, metavar="SECONDS",
                         help="a turn not answered within this many seconds of being sent fails and its "
                         "conversation sends no further turn (the paper's protocol: 120, the chat "
-                        "workloads: 30); default: never give up")
+                        "workloads: 30); default: a named workload's own (120 for the paper's, 30 for "
+                        "the others), never give up on the synthetic one")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals, prompts, tokens and routing")
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="also write the settings, summary and every request record to PATH")
@@ -94,6 +133,42 @@ def format_summary(result: SimResult) -> str:
                       f"({result.speed():.1f} simulated s per wall s)"])
 
 
+def _workload(args: argparse.Namespace) -> tuple[list[Conversation], float | None, str]:
+    """The run's conversations, the turns' timeout and how the header line names them."""
+    if args.workload is not None:
+        given = [flag for flag, attr, _ in SYNTHETIC_SHAPE if getattr(args, attr) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape the synthetic workload; drop "
+                             f"{'it' if len(given) == 1 else 'them'} or drop --workload {args.workload}")
+        conversations = to_sim(make_workload(args.workload, args.qps, args.duration, args.seed))
+        timeout = PAPER_TIMEOUT_S if args.workload in PAPER_WORKLOADS else CHAT_TIMEOUT_S
+        return (conversations, args.timeout if args.timeout is not None else timeout,
+                f"of workload {args.workload}")
+    shape: dict[str, Any] = {attr: default if getattr(args, attr) is None else getattr(args, attr)
+                             for _, attr, default in SYNTHETIC_SHAPE}
+    if shape["turns"] < 1:
+        raise ValueError("--turns must be at least 1")
+    conversations = synthetic_workload(args.qps, args.duration, shape["first_turn"], shape["follow_up"],
+                                       shape["turns"], shape["think_time"], args.seed)
+    return conversations, args.timeout, f"of {shape['turns']} turns"
+
+
+def _router(args: argparse.Namespace, profile: EngineProfile) -> tuple[Router, str]:
+    """The router and how the header line names it (PPD: its weights and table)."""
+    if args.router != "ppd":
+        return make_router(args.router, args.local_fraction, args.seed), args.router
+    p, d, r = parse_config(args.config)
+    path = None
+    if args.table == "auto":
+        path = shipped_table(profile.name, f"{p}P{d}D") if not r else None
+    elif args.table != "none":
+        path = Path(args.table)
+    table = load_table(path) if path is not None else None
+    w = args.weights
+    source = f"table {path.name}" if path is not None else "no table: profile predictions"
+    return ppd_router(profile, w, table), f"ppd (weights {w.w_ttft:g},{w.w_tpot:g}; {source})"
+
+
 def main(args: argparse.Namespace) -> int:
     """`dynamo-ppd sim run`: 0 on success, 2 with a one-line error for bad settings."""
     try:
@@ -102,18 +177,21 @@ def main(args: argparse.Namespace) -> int:
         if bandwidth is not None and bandwidth <= 0:
             raise ValueError("--link-bandwidth must be positive")
         cluster = Cluster.from_config(profile, args.config, link_bandwidth_bytes_s=bandwidth, seed=args.seed)
-        router = make_router(args.router, args.local_fraction, args.seed)
-        conversations = synthetic_workload(args.rate, args.duration, args.first_turn, args.follow_up,
-                                           args.turns, args.think_time, args.seed)
-        result = simulate(cluster, conversations, router, timeout_s=args.timeout)
-    except (ProfileError, RoutingError, ValueError) as exc:
+        router, router_name = _router(args, profile)
+        conversations, timeout_s, workload = _workload(args)
+        result = simulate(cluster, conversations, router, timeout_s=timeout_s,
+                          on_finish=getattr(router, "on_finish", None))
+    except UnknownWorkload as exc:  # a KeyError, whose str() would be quoted
+        return cli_error(str(exc))
+    except (ProfileError, RoutingError, TableError, ValueError) as exc:
         return cli_error(exc)
-    print(f"{args.config} router {args.router}, profile {profile.name}: {len(conversations)} conversations "
-          f"of {args.turns} turns at {args.rate:g}/s for {args.duration:g} s")
+    print(f"{args.config} router {router_name}, profile {profile.name}: {len(conversations)} conversations "
+          f"{workload} at {args.qps:g}/s for {args.duration:g} s")
     print(format_summary(result))
     if args.json is not None:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                     if not callable(v)}
+        settings["timeout"] = timeout_s
         document = {"settings": settings, "summary": result.summary(), "records": result.records,
                     "in_flight": result.in_flight}
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(document)))

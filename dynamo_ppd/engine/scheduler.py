@@ -223,6 +223,11 @@ class Engine:
                 f"{needed} KV blocks; this worker holds {self.cache.capacity}")
         request.arrival = now
         request.rng = random.Random(f"{self.config.seed}:{request.request_id}")
+        if request.kind is RequestKind.GENERATION_ONLY:
+            # Both legs of a P->D request share its id (and, on live workers, the seed): the
+            # prefill leg sampled this stream's first token, so the decode leg continues after
+            # it. Restarted, it sampled that token again as the answer's second one.
+            self._draw(request)
         self._waiting.append(request)
         self._by_id[request.request_id] = request
 

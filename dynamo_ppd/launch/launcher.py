@@ -299,7 +299,8 @@ def _component_processes(graph: Graph, graph_dir: Path, deployment: Deployment,
             label = comp.name if comp.replicas == 1 else f"{comp.name}-{replica}"
             if comp.metrics:
                 deployment.metrics_urls[label] = expand(comp.metrics, values)
-            env = {**_inherited_env(), **dynamo_env(deployment.endpoints, system_port),
+            env = {**_inherited_env(),
+                   **dynamo_env(deployment.endpoints, system_port, os.environ.get("DYN_LOG")),
                    **{k: expand(v, values) for k, v in comp.env.items()}}
             ready = ReadySpec(http=expand(comp.ready.http, values) if comp.ready.http else None,
                               log=comp.ready.log, timeout_s=comp.ready.timeout_s)
@@ -311,9 +312,8 @@ def _component_processes(graph: Graph, graph_dir: Path, deployment: Deployment,
 
 
 def _inherited_env() -> dict[str, str]:
-    import os
-
-    # Dynamo settings from the caller's shell would fight ours; everything else passes through.
+    # Dynamo settings from the caller's shell would fight ours; everything else passes through
+    # (DYN_LOG too, through `dynamo_env`: `DYN_LOG=debug dynamo-ppd serve` is how to see more).
     return {k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "ETCD_", "NATS_"))}
 
 
@@ -324,7 +324,7 @@ def start(opts: ServeOptions, log=print) -> Deployment:
     _port_checks(opts)
     model_dir = Path(opts.model_dir or model_dir_mod.default_model_dir())
     if not model_dir_mod.is_complete(model_dir):
-        log(f"model directory {model_dir} is missing: creating it (once, ~10 s)")
+        log(f"model directory {model_dir} is missing: creating it (once, ~20 s)")
         model_dir_mod.init_model_dir(model_dir)
     info = model_dir_mod.load_model_info(model_dir)
 

@@ -79,10 +79,30 @@ class Endpoints:
     etcd_url: str
 
 
-def dynamo_env(endpoints: Endpoints, system_port: int) -> dict[str, str]:
+# Dynamo's system server (tower_http's trace layer) logs every non-2xx answer at ERROR, and
+# /health answers 503 until a component serves its endpoints: each readiness poll of a starting
+# worker or router left an "ERROR ... 503 Service Unavailable" line. Its status code is the
+# signal (the launcher's, a Kubernetes probe's); the line only alarms. Appended to DYN_LOG.
+QUIET_HEALTH_POLLS = "tower_http::trace::on_failure=off"
+
+
+def dynamo_log_filter(user_filter: str | None = None) -> str:
+    """DYN_LOG for a Dynamo process: the caller's filter (default ``info``) without the readiness
+    polls' 503 lines, unless the caller's filter says something about tower_http itself."""
+    base = user_filter or "info"
+    return base if "tower_http" in base else f"{base},{QUIET_HEALTH_POLLS}"
+
+
+def dynamo_env(endpoints: Endpoints, system_port: int, log_filter: str | None = None) -> dict[str, str]:
     """What every Dynamo process of a local run gets: etcd discovery, KV events over NATS, the TCP
-    request plane, and no listener or download beyond this machine."""
+    request plane, no listener or download beyond this machine, and plain-text logs (they go to
+    files). ``log_filter``: the caller's DYN_LOG, if any."""
     return {
+        "DYN_LOG": dynamo_log_filter(log_filter),
+        # Dynamo 1.6.1's runtime colours its log lines unless told not to; in a file the escape
+        # codes only get in the way of grep and less.
+        "DYN_SDK_DISABLE_ANSI_LOGGING": "1",
+        "NO_COLOR": "1",
         "DYN_DISCOVERY_BACKEND": "etcd",
         "ETCD_ENDPOINTS": endpoints.etcd_url,
         "NATS_SERVER": endpoints.nats_url,

@@ -17,11 +17,11 @@ from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S
 from ..sim.routing import least_loaded_prefill, local_router, pd_router
 from ..sim.run import SimResult
 from ..workloads.generators import PAPER_KILL_AFTER_S, PAPER_TURNS, paper_arrivals
-from .decision import Decision, Policy, Route, WorkerLoad
+from .decision import Decision, Mode, Policy, PolicyConfig, ProfilePredictor, Route, WorkerLoad
 from .grid import ContextClass, WorkloadClass
 from .placement import ClusterState, Placement, Routed, TurnRequest, place
 from .qps import SlidingWindowRate
-from .table import Conditions, Measurement
+from .table import Conditions, Measurement, PpdTable, Weights, reweight
 
 
 def prefill_queue_tokens(view: ClusterView, worker: str) -> int:
@@ -110,6 +110,16 @@ class PolicyRouter:
 
 def policy_router(policy: Policy, window_s: float = 10.0) -> PolicyRouter:
     return PolicyRouter(policy, window_s)
+
+
+def ppd_router(profile: EngineProfile, weights: Weights, table: PpdTable | None = None) -> PolicyRouter:
+    """PPD as the router runs it with ``--mode ppd``: ``table``'s decisions at ``weights`` plus
+    online correction, or without a table the profile's predictions (``--table none``)."""
+    if table is not None:
+        table = reweight(table, weights)
+    policy = Policy(PolicyConfig(Mode.PPD, w_ttft=weights.w_ttft, w_tpot=weights.w_tpot),
+                    ProfilePredictor(profile), table)
+    return PolicyRouter(policy)
 
 
 @dataclass

@@ -163,3 +163,13 @@ CONFIGS = ("1P3D", "2P2D", "3P1D")  # the paper's P:D splits of 4 GPUs: a table 
 def bundled_table(config: str) -> Path:
     """The default table shipped for the default profile and a P:D configuration."""
     return TABLE_DIR / f"h100-llama3.1-8b-{config.lower()}.json"
+
+
+def shipped_table(profile_name: str, config: str) -> Path | None:
+    """``--table auto`` for a fixed configuration: the table shipped for ``config`` (``1P3D``)
+    if one ships and was measured on this profile, else None (decide from the profile's
+    predictions). The live router picks the same one per live P:D configuration."""
+    path = bundled_table(config)
+    if not path.is_file() or load_table(path).profile != profile_name:
+        return None
+    return path

@@ -82,6 +82,7 @@ class PpdRouter(Routing):
         request["annotations"] = [a for a in annotations if a != BYPASS_REMOTE_PREFILL_ANNOTATION
                                   and not a.startswith(FORCED_ROUTE_ANNOTATION)]
         if forced not in (None, Route.DECODE_LOCAL.value, Route.VIA_PREFILL.value):
+            self.metrics.errors.labels("bad_request").inc()
             raise InvalidArgument(f"{FORCED_ROUTE_ANNOTATION}{forced}: the route must be decode_local or "
                                   "via_prefill")
         forced = forced if self.config.allow_forced_route else None
@@ -113,6 +114,9 @@ class PpdRouter(Routing):
         except dispatch.WorkerRejected as exc:  # the worker's validation: the client's 4xx
             self.metrics.errors.labels("rejected").inc()
             raise InvalidArgument(str(exc)) from None
+        except InvalidArgument:  # planning refused it: a session id over the limit, as the picker counts
+            self.metrics.errors.labels("bad_request").inc()
+            raise
         finally:  # once per request, not per chunk (tokens / chunks: how much coalescing merged)
             self.metrics.relayed_tokens.inc(len(output))
             self.metrics.relayed_chunks.inc(chunks)

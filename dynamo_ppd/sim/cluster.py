@@ -147,7 +147,8 @@ class Cluster:
                             (Role.REPLICA, num_replica)):
             for i in range(count):
                 worker_id = f"{_ID_PREFIX[role]}{i}"
-                # Distinct seeds: P and D must not sample the same tokens for the same request id.
+                # A seed per worker, as independent GPUs sample (the engine also continues a decode
+                # leg's stream past the prefill's token, so equal seeds would not repeat it).
                 config = EngineConfig(seed=seed * 1_000_003 + next(index), capacity_blocks=capacity_blocks,
                                       every_token=False)
                 outgoing = TransferLink(bandwidth, setup_s) if role is Role.PREFILL else None
