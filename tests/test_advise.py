@@ -122,3 +122,10 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(["advise", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_tail_counts_a_median_one_percent_better_does_not_win_with_a_p99_twenty_times_worse():
+    replicas = _m("4R", "dynamo-kv-agg", 0.0170, 0.0084, p99=0.444)
+    ppd = _m("1P3D", "ppd@1,1", 0.0172, 0.0085, p99=0.0198)
+    choice = advise.recommend([replicas, ppd], (1.0, 1.0), Slo(), 1.5)
+    assert choice.best is ppd and choice.runner_up is replicas

@@ -24,8 +24,10 @@ the workload's rate:
 - with SLOs (``--slo-ttft``/``--slo-tpot``, ms): the highest attainment; then the highest
   attainment at the highest rate factor (headroom); then the weighted latency cost below;
 - with weights only: the lowest weighted latency cost,
-  ``W_TTFT * TTFT_p50 / best TTFT_p50 + W_TPOT * TPOT_p50 / best TPOT_p50`` (1 + 1 = 2 is a
-  candidate best on both), the paper's score made absolute.
+  ``W_TTFT * (TTFT_p50 / best + TTFT_p99 / best) / 2 + W_TPOT * TPOT_p50 / best`` (2 is a
+  candidate best on all three), the paper's score made absolute, with the TTFT a user waits for
+  taken as its typical and its tail value alike (a deployment whose median is 1% better and
+  whose p99 is 20 times worse is not the better one).
 
 The margin is the runner-up's distance on the deciding key. The Pareto front is taken over
 (TTFT p50, TTFT p99, TPOT p50: lower; tokens/s per GPU: higher) at the workload's rate.
@@ -251,14 +253,16 @@ def eligible(points: Sequence[Measured]) -> list[Measured]:
 
 
 def weighted_costs(points: Sequence[Measured], weights: tuple[float, float]) -> dict[int, float]:
-    """id(point) -> W_TTFT * TTFT_p50 / best + W_TPOT * TPOT_p50 / best over ``points``."""
-    ok = eligible(points)
+    """id(point) -> W_TTFT * (TTFT_p50 / best + TTFT_p99 / best) / 2 + W_TPOT * TPOT_p50 / best
+    over the eligible ``points`` (the module docstring)."""
+    ok = [p for p in eligible(points) if p.ttft_p99_s]
     if not ok:
         return {}
-    best_ttft = min(p.ttft_p50_s for p in ok if p.ttft_p50_s)
-    best_tpot = min(p.tpot_p50_s for p in ok if p.tpot_p50_s)
-    return {id(p): weights[0] * p.ttft_p50_s / best_ttft + weights[1] * p.tpot_p50_s / best_tpot
-            for p in ok if p.ttft_p50_s and p.tpot_p50_s}
+    best_p50 = min(p.ttft_p50_s or math.inf for p in ok)
+    best_p99 = min(p.ttft_p99_s or math.inf for p in ok)
+    best_tpot = min(p.tpot_p50_s or math.inf for p in ok)
+    return {id(p): weights[0] * ((p.ttft_p50_s or 0.0) / best_p50 + (p.ttft_p99_s or 0.0) / best_p99) / 2
+            + weights[1] * (p.tpot_p50_s or 0.0) / best_tpot for p in ok}
 
 
 def pareto_front(points: Sequence[Measured]) -> list[Measured]:

@@ -179,7 +179,8 @@ def main(args: argparse.Namespace) -> int:
     costs = advise.weighted_costs(nominal, args.weights)
     over = "every turn (single-turn workload)" if single_turn else "follow-up turns (2+)"
     print(f"{source}: {rate:g} conv/s, {args.gpus} GPUs ({args.profile}, {args.link} link); latencies over "
-          f"{over}; cost = {args.weights[0]:g} x TTFT p50/best + {args.weights[1]:g} x TPOT p50/best"
+          f"{over}; cost = {args.weights[0]:g} x (TTFT p50/best + p99/best)/2 + {args.weights[1]:g} x "
+          f"TPOT p50/best"
           + (f"; SLOs TTFT {_fmt_ms(slo.ttft_s)} ms, TPOT {_fmt_ms(slo.tpot_s)} ms" if slo.given else ""))
     print(format_table(nominal, front, choice.best if choice else None, costs, slo.given))
     print(f"(>> recommended, * on the Pareto front; {len(points)} simulations in "
