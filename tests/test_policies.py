@@ -73,7 +73,23 @@ def test_sim_compare_writes_its_report(tmp_path):
     assert (tmp_path / "pol-1p3d-cross-node.png").stat().st_size > 10_000
     text = (tmp_path / "pol.md").read_text()
     assert "| x0 |" in text and "## PPD at a glance" in text and "against each policy alone" in text
-    assert "1P_3pD 34 wins, 5 ties, 141 losses" in text  # the measured 4R against P/D, from the data
+    # Only what this run measured: no replicas ran, so no claim about them; no project history.
+    assert "4R" not in text and "What the comparison changed" not in text
+
+
+@pytest.mark.unit
+def test_a_report_says_only_what_its_run_measured():
+    def report(*names: str) -> str:
+        points = [point(name, 0.1 + i / 100, 0.01) for i, name in enumerate(names)]
+        return policies.markdown(policies.compare(points, ["intra-node"], [1.0], "h100-llama3.1-8b", [0]),
+                                 "dynamo-ppd sim compare ...", 60.0)
+
+    # One point without replicas: no claim about replicas (4R), none of the project's history.
+    one_point = report("x0", "x1", "ppd@1")
+    assert "4R" not in one_point and "lead is the hardware" not in one_point
+    assert "What the comparison changed" not in one_point and "Tables rebuilt" not in one_point
+    # With replicas in the run, the paper's own measurements of them are set beside it.
+    assert "1P_3pD 34 wins, 5 ties, 141 losses" in report("x0", "ppd@1", "replicas")
 
 
 @pytest.mark.unit

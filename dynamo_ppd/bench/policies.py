@@ -25,17 +25,23 @@ is a tie.
 Clients here are the router's (a chat template over token ids: the decode worker holds the
 history token for token), not the paper authors' text client; the paper's arrivals, two turns
 and 120 s timeout for its 18 workloads, the chat workloads' own turns and 30 s timeout.
+
+Two parts: the grid (the paper's 18 workloads and the chat ones at the paper's 10 rates, on both
+links), scored above; and the load sweeps (`saturation`: long-context, many-turn, agent-32k, each
+policy up a ladder of rates to its saturation, on one link), reported apart by `sweep_report`
+("Where disaggregation pays"). Both run in one process pool; the sweeps after the grid, rung by
+rung, since a rung's points decide which lanes climb to the next.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -46,7 +52,7 @@ from ..policy.simulate import PolicyRouter
 from ..policy.table import CONFIGS, Weights, bundled_table, load_table, reweight
 from ..sim import Conversation, peers
 from ..sim.cluster import parse_config
-from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, SUCCESS_BAR, Outcome
+from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, Outcome
 from ..sim.routing import (
     Router,
     fraction_router,
@@ -57,15 +63,16 @@ from ..sim.routing import (
 )
 from ..workloads.generators import PAPER_QPS, PAPER_WORKLOADS, make_workload, paper_workload
 from ..workloads.manifest import to_sim
-from . import plots
+from . import plots, saturation, sweep_report
 from .paper import simulate_point
+from .policy_points import TIE, PolicyPoint, measured_replicas_against_pd, outcome_of, score, sweep_figures
 from .progress import Progress
 
 LINKS = ("intra-node", "cross-node")
 CHAT_WORKLOADS = ("wildchat", "sharegpt")
 WEIGHTS = (1.0, 3.0, 6.0)  # w_tpot, with w_ttft 1
-TIE = 0.02
 CHAT_WINDOW_S = 10.0  # seconds of conversation arrivals per chat point, as the paper's window
+SWEEP_LINK = "cross-node"  # the profiles' own link; one link keeps the sweeps in the time budget
 BASE_POLICIES = ("x0", "x1", "x0.5", "replicas", "hybrid")
 # Policies that run the configuration's GPUs as another deployment (aggregated workers), not as
 # its P and D workers: the report also ranks PPD without them, among the policies a router of
@@ -84,6 +91,20 @@ def _peers() -> list[str]:
 
 def policy_names(weights: Iterable[float] = WEIGHTS) -> list[str]:
     return [*BASE_POLICIES, *_peers(), *(f"ppd@{w:g}" for w in weights)]
+
+
+# Left out of the sweeps by default (each lane costs a ladder of simulations): x0.5 lies between
+# x0 and x1, which run; Dynamo's prefill_load is isl_or_load's load rule alone, and sustained the
+# same rates as isl_or_load on every configuration of a full long-context sweep (2026-12-03);
+# hybrid is neither the P/D deployment nor replicas.
+SWEEP_LEFT_OUT = ("x0.5", "dynamo-prefill-load", "hybrid")
+
+
+def sweep_policies(policies: Sequence[str]) -> list[str]:
+    """The sweeps' default policies: ``policies`` without `SWEEP_LEFT_OUT` and with PPD at its
+    first weight only (the section reads one PPD)."""
+    ppd = next((p for p in policies if p.startswith("ppd@")), None)
+    return [p for p in policies if p not in SWEEP_LEFT_OUT and (not p.startswith("ppd@") or p == ppd)]
 
 
 def replica_config(config: str) -> str:
@@ -110,26 +131,9 @@ class CompareSpec(msgspec.Struct, frozen=True):
     seed: int = 0
 
 
-class PolicyPoint(msgspec.Struct, frozen=True):
-    """One policy at one point: the figures the comparison reads."""
-
-    config: str
-    link: str
-    workload: str
-    rate: float
-    policy: str
-    success_rate: float
-    turn2_ttft_s: float | None  # mean, failed follow-ups at the timeout
-    turn2_tpot_s: float | None  # mean over successful follow-ups
-    turn2_p99_ttft_s: float | None
-    tokens_per_sec: float
-    local_share: float  # follow-ups that ran decode-local (aggregated counts as neither)
-    # CPU seconds of the simulation (on the first point of those that share it, 0 on the others):
-    # what the grid costs whatever else the machine runs.
-    sim_cpu_s: float = 0.0
-
-
 def _conversations(workload: str, rate: float, seed: int) -> tuple[list[Conversation], float]:
+    if workload in saturation.SWEEPS:
+        return saturation.conversations(workload, rate, seed)
     if workload in PAPER_WORKLOADS:
         return paper_workload(workload, rate, seed), PAPER_TIMEOUT_S
     return to_sim(make_workload(workload, rate, CHAT_WINDOW_S, seed)), CHAT_TIMEOUT_S
@@ -189,25 +193,19 @@ def run_spec(spec: CompareSpec) -> PolicyPoint:
     result = simulate_point(profile, cluster_config, router, conversations, timeout_s, spec.seed,
                             link_preset(spec.link))
     outcome: Outcome = result.outcome()
+    # The sweeps' percentiles, and the bootstrap replicates where a ratio reads them (PPD against
+    # replicas); the grid's points do without (the JSON's size).
+    extra: dict[str, Any] = (sweep_figures(result, outcome, [c.conversation_id for c in conversations],
+                                                      replicates=spec.policy == "replicas"
+                                                      or spec.policy.startswith("ppd@"))
+                             if spec.workload in saturation.SWEEPS else {})
     return PolicyPoint(spec.config, spec.link, spec.workload, spec.rate, spec.policy, outcome.success_rate,
                        outcome.turn2_ttft_mean_with_timeouts_s, outcome.turn2.avg_tpot_s,
                        outcome.turn2.p99_ttft_s, outcome.tokens_per_sec, result.local_share(),
-                       time.process_time() - started)
+                       time.process_time() - started, **extra)
 
 
 # -- scoring -------------------------------------------------------------------------------------
-
-def score(a: PolicyPoint, b: PolicyPoint, w_tpot: float, w_ttft: float = 1.0) -> float:
-    """The paper's score of ``a`` against ``b`` (> 0: a is better); -inf when a misses the
-    success bar and b does not, +inf the other way round."""
-    a_ok, b_ok = a.success_rate >= SUCCESS_BAR, b.success_rate >= SUCCESS_BAR
-    if a_ok != b_ok:
-        return math.inf if a_ok else -math.inf
-    if not (a.turn2_ttft_s and b.turn2_ttft_s and a.turn2_tpot_s and b.turn2_tpot_s):
-        return 0.0  # nothing to compare (no follow-up answered on a side): neither is better
-    return (w_ttft * (b.turn2_ttft_s - a.turn2_ttft_s) / b.turn2_ttft_s
-            - w_tpot * (a.turn2_tpot_s - b.turn2_tpot_s) / b.turn2_tpot_s)
-
 
 class Standing(msgspec.Struct, frozen=True):
     """A policy at one point against the best of the others."""
@@ -229,10 +227,6 @@ def standings(points: Sequence[PolicyPoint], w_tpot: float, leave_out: Sequence[
             value, name = min(others)
             out.append(Standing(a.policy, value, name))
     return out
-
-
-def outcome_of(value: float) -> str:
-    return "win" if value > TIE else "loss" if value < -TIE else "tie"
 
 
 class PolicySummary(msgspec.Struct, frozen=True):
@@ -312,37 +306,16 @@ def head_to_head(groups: Iterable[Sequence[PolicyPoint]], w_tpot: float) -> list
 
 def compare(points: Sequence[PolicyPoint], links: Sequence[str], weights: Sequence[float],
             profile: str, seeds: list[int]) -> CompareReport:
+    """Every point kept; the summaries over the paper/chat grid's only: a sweep's rates are its
+    lanes' ladder and a lane stops at its saturation, so its points are no grid of equals
+    (`sweep_report` reads them)."""
     keys = [(f"{link} w_tpot {w:g}", link, w) for link in links for w in weights]
+    everything, points = list(points), [p for p in points if p.workload not in saturation.SWEEPS]
     summaries = {key: summarize_standings(group_points(points, link), w) for key, link, w in keys}
     same = {key: summarize_standings(group_points(points, link), w, OTHER_DEPLOYMENTS)
             for key, link, w in keys}
     versus = {key: head_to_head(group_points(points, link), w) for key, link, w in keys}
-    return CompareReport(profile, seeds, list(points), summaries, same, versus)
-
-
-def measured_replicas_against_pd() -> list[tuple[str, int, int, int]]:
-    """The paper authors' own H100 measurements (bundled): each P/D configuration against 4R at
-    weights 1,1, scored as here ((config, wins, ties, losses) over the points both completed):
-    how much of replicas' lead is the hardware's, not the simulator's."""
-    from .paper_data import bundled_points
-
-    by_key = {(p.config, p.workload, p.qps): p for p in bundled_points()}
-    out = []
-    for config in ("1P_3pD", "1P_3D", "3P_1pD", "3P_1D"):
-        wins = ties = losses = 0
-        for (c, workload, qps), replica in by_key.items():
-            other = by_key.get((config, workload, qps))
-            if c != "4R" or other is None or not (replica.completed and other.completed):
-                continue
-            a = PolicyPoint("", "", workload, qps, config, other.success_rate, other.turn2.avg_ttft_ms,
-                            other.turn2.avg_tpot_ms, None, other.tokens_per_sec, 0.0)
-            b = PolicyPoint("", "", workload, qps, "4R", replica.success_rate, replica.turn2.avg_ttft_ms,
-                            replica.turn2.avg_tpot_ms, None, replica.tokens_per_sec, 0.0)
-            result = outcome_of(score(a, b, 1.0))
-            wins, ties = wins + (result == "win"), ties + (result == "tie")
-            losses += result == "loss"
-        out.append((config, wins, ties, losses))
-    return out
+    return CompareReport(profile, seeds, everything, summaries, same, versus)
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -351,44 +324,19 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-# What this comparison changed in PPD, and why (issue 12's item 4: fix the policy, not the scoring).
-# Each was a loss the report showed, traced to its cause on single points.
-POLICY_CHANGES = """\
-## What the comparison changed in PPD, and why
-
-- **One placement** (`dynamo_ppd/policy/placement.py`): the simulator's PPD chose its prefill
-  worker by load alone while the router weighed cached tokens; both now call the same functions,
-  so what is tuned here is what the router runs (`tests/test_placement.py` places one request
-  identically from the same state).
-- **Queue time linear in tokens** (`ProfilePredictor`): a cell's mean queue of a few tokens was
-  priced as a whole iteration's weights, and the online correction then sent follow-ups through
-  the prefill worker against the cell's decision.
-- **The correction calibrates the nominal too**: the online correction compared live conditions
-  through the calibration with the cell's nominal ones without it, adding the model's bias back
-  and flipping small-margin cells to via-prefill.
-- **The nominal prefill worker holds turn 1's prompt, not its answer**
-  (`ContextClass.first_output_tokens`): the table's x=0 was priced with a cache hit it never gets.
-- **An engine's waiting prompt tokens are the prefill work ahead**
-  (`LoadSnapshot.waiting_prompt_tokens`): transferred requests and cached prefixes counted whole
-  made a busy decode worker look as if a 2,000-token history were queued for a 20-token append,
-  and PPD avoided it.
-- **Table QPS levels at the paper's conversation rates** (`policy/grid.py`): the levels were the
-  paper's numbers read as request rates, so the table stopped at 10 conv/s; at 16 conv/s PPD read
-  a 10 conv/s cell and the correction, against that cell's lighter decode batch, sent huge
-  appends decode-local on a saturated decode worker (3P1D small_huge_paste at 16 and 20 conv/s:
-  -0.20 against isl_bounding, now a tie). The levels are now 1..40 requests/s.
-- Tables rebuilt after each (`just tables`).
-"""
-
-
-def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0) -> str:
-    n_points = len({(p.config, p.link, p.workload, p.rate) for p in report.points})
+def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0,
+             stem: str = "policies") -> str:
+    """The report page; ``stem``: the name its PNGs start with (beside it)."""
+    grid = [p for p in report.points if p.workload not in saturation.SWEEPS]
+    n_points = len({(p.config, p.link, p.workload, p.rate) for p in grid})
+    swept = len(report.points) - len(grid)
     reuse = f" ({reused} of the policy runs reused from the --reuse report)" if reused else ""
     cpu_s = sum(p.sim_cpu_s for p in report.points)
     simulations = sum(p.sim_cpu_s > 0 for p in report.points)
     lines = ["# Every P/D policy on one simulated cluster", "",
-             f"Produced by `{command}` in {wall_s / 60:.1f} min{reuse}: {n_points} points x policies "
-             f"({len(report.points)} policy runs from {simulations} simulations: {cpu_s / 60:.1f} CPU min, "
+             f"Produced by `{command}` in {wall_s / 60:.1f} min{reuse}: {n_points} grid points x policies"
+             + (f" and {swept} policy runs of the load sweeps" if swept else "") +
+             f" ({len(report.points)} policy runs from {simulations} simulations: {cpu_s / 60:.1f} CPU min, "
              f"{cpu_s / 120:.1f} min on 2 cores), profile "
              f"`{report.profile}`, seeds {report.seeds}. Score of A against B: the paper's, "
              "`w_ttft (TTFT_B - TTFT_A)/TTFT_B - w_tpot (TPOT_A - TPOT_B)/TPOT_B` on turn-2+ mean TTFT "
@@ -411,12 +359,17 @@ def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0
             lines.append(f"| {link} | {w} | {mine.points} | {_pct(mine.at_least_minus_tie)} | "
                          f"{_pct(mine.above_tie)} | {_pct(same.at_least_minus_tie)} | {_pct(same.above_tie)} "
                          f"| {same.beaten_most_by or '-'} |")
-    measured = measured_replicas_against_pd()
-    lines += ["", "Replicas' lead is the hardware's: on the paper authors' own H100 measurements (bundled, "
-              "`dynamo_ppd/bench/data`), scored the same way at weights 1,1, each P/D configuration against "
-              "4R: " + "; ".join(f"{c} {w} wins, {t} ties, {lo} losses" for c, w, t, lo in measured)
-              + ". Four aggregated GPUs decode with four; a P/D split decodes with its D GPUs only.", ""]
-    lines += [POLICY_CHANGES]
+    # A report says what its run measured: the paper's replicas-vs-P/D counts only beside
+    # replicas this run simulated (the project's own history of fixes is in docs/history.md).
+    if any(p.policy == "replicas" for p in report.points):
+        measured = measured_replicas_against_pd()
+        lines += ["", "For replicas beside P/D, the paper authors' own H100 measurements (bundled, "
+                  "`dynamo_ppd/bench/data`), scored the same way at weights 1,1, each P/D configuration "
+                  "against 4R: "
+                  + "; ".join(f"{c} {w} wins, {t} ties, {lo} losses" for c, w, t, lo in measured)
+                  + ". Four aggregated GPUs decode with four; a P/D split decodes with its D GPUs only."]
+    lines.append("")
+    lines += sweep_report.section(report.points, stem)
     for key, summaries in report.summaries.items():
         lines += [f"## {key}", "",
                   "| policy | points | wins | ties | losses | score >= -0.02 | score > +0.02 "
@@ -440,11 +393,11 @@ def plot(report: CompareReport, out_dir: Path, stem: str) -> list[Path]:
     """Pareto views per configuration and link: P99 turn-2 TTFT vs throughput, mean turn-2 TTFT
     vs TPOT (each policy's mean over the points)."""
     plt = plots.pyplot()
-
+    grid = [p for p in report.points if p.workload not in saturation.SWEEPS]
     paths = []
-    for config in sorted({p.config for p in report.points}):
-        for link in sorted({p.link for p in report.points}):
-            pts = [p for p in report.points if p.config == config and p.link == link]
+    for config in sorted({p.config for p in grid}):
+        for link in sorted({p.link for p in grid}):
+            pts = [p for p in grid if p.config == config and p.link == link]
             if not pts:
                 continue
             fig, axes = plt.subplots(1, 2, figsize=(12, 5))
@@ -489,73 +442,127 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="P:D configurations (default: 1P3D,2P2D,3P1D)")
     parser.add_argument("--links", type=comma_choices("link", list(LINKS)), default=list(LINKS),
                         metavar="LIST",
-                        help="KV link presets (default: intra-node,cross-node)")
-    parser.add_argument("--workloads", type=comma_choices("workload", [*PAPER_WORKLOADS, *CHAT_WORKLOADS]),
-                        default=[*PAPER_WORKLOADS, *CHAT_WORKLOADS], metavar="LIST",
-                        help="the paper's 18 workloads, wildchat, sharegpt (default: all 20)")
+                        help="KV link presets of the paper/chat grid (default: intra-node,cross-node)")
+    workloads = [*PAPER_WORKLOADS, *CHAT_WORKLOADS, *saturation.SWEEPS]
+    parser.add_argument("--workloads", type=comma_choices("workload", workloads), default=workloads,
+                        metavar="LIST",
+                        help="the paper's 18 workloads, wildchat, sharegpt (the grid, at --rates) and "
+                        f"{', '.join(saturation.SWEEPS)} (swept up to saturation; see --sweep-links) "
+                        f"(default: all {len(workloads)})")
     parser.add_argument("--rates", type=positive_floats("rates"), default=list(PAPER_QPS), metavar="LIST",
-                        help="conversation rates (default: the paper's 10)")
+                        help="conversation rates of the grid's workloads (default: the paper's 10); the "
+                        "swept workloads climb their own ladders (dynamo_ppd/bench/saturation.py)")
+    parser.add_argument("--sweep-links", type=comma_choices("link", list(LINKS)), default=[SWEEP_LINK],
+                        metavar="LIST",
+                        help=f"KV link presets of the swept workloads (default: {SWEEP_LINK}, the "
+                        "profiles' own: Dynamo's workers as pods)")
     parser.add_argument("--weights", type=positive_floats("weights"), default=list(WEIGHTS), metavar="LIST",
                         help="w_tpot values (w_ttft 1) to score at and to run PPD at (default: 1,3,6)")
     parser.add_argument("--policies", type=_names, metavar="LIST",
                         help="policies to run (default: all: x0, x1, x0.5, replicas, hybrid, the peers, "
                         "ppd@w)")
+    parser.add_argument("--sweep-policies", type=_names, metavar="LIST",
+                        help="policies of the swept workloads (default: --policies without x0.5, hybrid "
+                        "and dynamo-prefill-load, and with PPD at its first weight only: every policy costs "
+                        "a ladder of simulations)")
     parser.add_argument("--seed", type=int, default=0, help="seed of arrivals, prompts, tokens and draws")
     parser.add_argument("--jobs", type=positive_int, default=2, help="parallel processes")
     parser.add_argument("--reuse", type=Path, metavar="JSON",
                         help="a previous report whose points are kept: only the (point, policy) pairs it "
                         "lacks are simulated (same profile and seed)")
     parser.add_argument("--out", type=Path, default=Path("docs/policies"), metavar="PREFIX",
-                        help="writes PREFIX.md, PREFIX.json and PREFIX-<config>-<link>.png")
+                        help="writes PREFIX.md, PREFIX.json, PREFIX-<config>-<link>.png and, with a swept "
+                        "workload, PREFIX-sweep-<link>-p99-ttft.png and PREFIX-sweep-<link>-tpot.png")
+
+
+PointKey = tuple[str, str, str, float, str]
+
+
+def _key(p: PolicyPoint | CompareSpec) -> PointKey:
+    return (p.config, p.link, p.workload, p.rate, p.policy)
+
+
+def _run(pool: ProcessPoolExecutor, specs: Sequence[CompareSpec], previous: dict[PointKey, PolicyPoint],
+         label: str, chunksize: int = 4) -> list[PolicyPoint]:
+    """The points of ``specs``, in their order: the --reuse report's where it has them, else
+    simulated, one simulation per distinct key (its figures stand for every spec that shares it)."""
+    done: dict[int, PolicyPoint] = {i: previous[_key(s)] for i, s in enumerate(specs) if _key(s) in previous}
+    sharing: dict[tuple, list[int]] = {}
+    for i, spec in enumerate(specs):
+        if i not in done:
+            sharing.setdefault(simulation_key(spec), []).append(i)
+    groups = list(sharing.values())
+    progress = Progress(max(1, len(groups)), label)
+    for group, point in zip(groups, pool.map(run_spec, [specs[g[0]] for g in groups], chunksize=chunksize),
+                            strict=True):
+        for n, i in enumerate(group):
+            done[i] = msgspec.structs.replace(point, config=specs[i].config, link=specs[i].link,
+                                              sim_cpu_s=point.sim_cpu_s if n == 0 else 0.0)
+        progress.step()
+    return [done[i] for i in range(len(specs))]
+
+
+def _sweep(pool: ProcessPoolExecutor, lanes: list[saturation.Lane], profile: str, seed: int,
+           previous: dict[PointKey, PolicyPoint]) -> list[PolicyPoint]:
+    """The sweeps, rung by rung; within a rung the lanes that cost most at the rung below are
+    sent first (longest first: the rung ends when its last point does, so a heavy point sent
+    last would leave the other processes idle)."""
+    cost: dict[saturation.Lane, float] = {}
+
+    def run(todo: list[tuple[saturation.Lane, float]], rung: int) -> list[PolicyPoint]:
+        order = sorted(range(len(todo)), key=lambda i: -cost.get(todo[i][0], 0.0))
+        specs = [CompareSpec(profile, lane.config, lane.link, lane.workload, rate, lane.policy, seed)
+                 for lane, rate in (todo[i] for i in order)]
+        points = _run(pool, specs, previous, f"sim compare sweeps, rung {rung + 1}", chunksize=1)
+        out: list[PolicyPoint] = [points[0]] * len(todo)
+        for i, point in zip(order, points, strict=True):
+            out[i] = point
+            cost[todo[i][0]] = point.sim_cpu_s
+        return out
+
+    return saturation.sweep(lanes, run)
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         load_profile(args.profile)
         policies = args.policies or policy_names(args.weights)
-        unknown = [p for p in policies if p not in policy_names(args.weights) and not p.startswith("ppd@")]
+        swept = args.sweep_policies or sweep_policies(policies)
+        unknown = [p for p in dict.fromkeys([*policies, *swept])
+                   if p not in policy_names(args.weights) and not p.startswith("ppd@")]
         if unknown:
             known = ", ".join(policy_names())
             raise ValueError(f"unknown policies {', '.join(unknown)}; choose from {known}")
     except (ProfileError, ValueError) as exc:
         return cli_error(exc)
+    grid = [w for w in args.workloads if w not in saturation.SWEEPS]
     specs = [CompareSpec(args.profile, c, link, w, r, policy, args.seed) for c in args.configs
-             for link in args.links for w in args.workloads for r in args.rates for policy in policies]
-    points: list[PolicyPoint] = []
-    reused = 0
+             for link in args.links for w in grid for r in args.rates for policy in policies]
+    lanes = [saturation.Lane(c, link, w, policy) for c in args.configs for link in args.sweep_links
+             for w in args.workloads if w in saturation.SWEEPS for policy in swept]
+    previous: dict[PointKey, PolicyPoint] = {}
     if args.reuse is not None:
         try:
-            previous = msgspec.json.decode(args.reuse.read_bytes(), type=CompareReport)
+            report = msgspec.json.decode(args.reuse.read_bytes(), type=CompareReport)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             return cli_error(f"--reuse {args.reuse}: {exc}")
-        if previous.profile != args.profile or previous.seeds != [args.seed]:
-            return cli_error(f"--reuse {args.reuse} was run with profile {previous.profile} and "
-                             f"seeds {previous.seeds}, not {args.profile} and [{args.seed}]")
-        wanted = {(s.config, s.link, s.workload, s.rate, s.policy) for s in specs}
-        points = [p for p in previous.points if (p.config, p.link, p.workload, p.rate, p.policy) in wanted]
-        have = {(p.config, p.link, p.workload, p.rate, p.policy) for p in points}
-        specs = [s for s in specs if (s.config, s.link, s.workload, s.rate, s.policy) not in have]
-        reused = len(points)
-    # One simulation per distinct key; its figures stand for every spec that shares it.
-    sharing: dict[tuple, list[CompareSpec]] = {}
-    for spec in specs:
-        sharing.setdefault(simulation_key(spec), []).append(spec)
-    progress = Progress(max(1, len(sharing)), "sim compare")
+        if report.profile != args.profile or report.seeds != [args.seed]:
+            return cli_error(f"--reuse {args.reuse} was run with profile {report.profile} and "
+                             f"seeds {report.seeds}, not {args.profile} and [{args.seed}]")
+        previous = {_key(p): p for p in report.points}
     started = time.monotonic()
     with ProcessPoolExecutor(args.jobs) as pool:
-        for group, point in zip(sharing.values(), pool.map(run_spec, [g[0] for g in sharing.values()],
-                                                           chunksize=4), strict=True):
-            points.extend(msgspec.structs.replace(point, config=s.config, link=s.link,
-                                                  sim_cpu_s=point.sim_cpu_s if i == 0 else 0.0)
-                          for i, s in enumerate(group))
-            progress.step()
+        points = _run(pool, specs, previous, "sim compare")
+        points += _sweep(pool, lanes, args.profile, args.seed, previous)
     wall = time.monotonic() - started
+    reused = sum(_key(p) in previous for p in points)
     report = compare(points, args.links, args.weights, args.profile, [args.seed])
-    text = markdown(report, "dynamo-ppd " + " ".join(sys.argv[1:]), wall, reused)
+    text = markdown(report, "dynamo-ppd " + " ".join(sys.argv[1:]), wall, reused, args.out.name)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text)
     args.out.with_suffix(".json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
-    for path in plot(report, args.out.parent, args.out.name):
+    for path in [*plot(report, args.out.parent, args.out.name),
+                 *sweep_report.plot(report.points, args.out.parent, args.out.name)]:
         print(f"wrote {path}")
     return 0

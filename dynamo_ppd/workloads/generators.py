@@ -290,6 +290,80 @@ def wildchat_like(rate_conv_per_s: float, duration_s: float, seed: int = 0,
                   rate_conv_per_s, duration_s, seed, plan)
 
 
+# --- where disaggregation should pay: many turns, long agent contexts -----------------------
+
+MANY_TURN_RANGE = (2, 16)  # the paper's turn sweep (Fig. 10: 2..16 turns)
+# Short replies: the turn count is the variable here, and a sweep to saturation costs the
+# simulator the output tokens of the ~1,000 conversations that fill 4 GPUs' decode batches, so
+# ShareGPT's (median 255) would cost ~3x for the same finding.
+MANY_TURN_REPLY = TruncatedLogNormal(median=64, p90=192, cap=512)
+
+
+def many_turn(rate_conv_per_s: float, duration_s: float, seed: int = 0,
+              think_time_mean_s: float = 0.0) -> Manifest:
+    """Chat with many turns: each conversation's turn count is drawn uniformly from 2..16 (the
+    paper's Fig. 10 range, every count equally likely: mean 9, where ShareGPT's mean is 3.5),
+    with ShareGPT-sized user messages (the first median 24 / p90 432 tokens, later ones 16 / 86:
+    small appends) and short replies (median 64 / p90 192, cap 512; `MANY_TURN_REPLY`).
+    No think time by default: the paper's protocol sends a turn as soon as the previous answer
+    ends (a mean > 0 draws exponential think times as `sharegpt_like`)."""
+    low, high = MANY_TURN_RANGE
+
+    def plan(rng: random.Random) -> list[ManifestTurn]:
+        return [ManifestTurn(MANY_TURN_REPLY.sample(rng),
+                             user_tokens=(SHAREGPT_FIRST_USER if k == 0 else SHAREGPT_LATER_USER).sample(rng),
+                             think_time_s=_think(rng, think_time_mean_s) if k else 0.0)
+                for k in range(rng.randint(low, high))]
+
+    return _build("many-turn", f"many-turn chat: {low}-{high} turns (uniform), ShareGPT-sized user messages, "
+                  "replies ~64 tokens",
+                  rate_conv_per_s, duration_s, seed, plan)
+
+
+# An agent's loop (a coding or browsing agent over tool calls): turn 1 is the system prompt, the
+# tool schemas and the task; every later "user" message is a tool's output (a file, a search
+# result, a command's log) appended to the whole history; every reply is short (a tool call and a
+# line of reasoning). The context grows until the model's window: the conversation ends when the
+# next turn would pass AGENT_CONTEXT_TOKENS. Sizes are assumptions, not fitted to a data set.
+AGENT_CONTEXT_TOKENS = 32_768
+AGENT_MAX_TURNS = 40
+AGENT_FIRST = TruncatedLogNormal(median=6000, p90=12000, cap=16000)  # system prompt + tools + task
+AGENT_TOOL_OUTPUT = TruncatedLogNormal(median=2500, p90=6000, cap=8192)
+AGENT_REPLY = TruncatedLogNormal(median=80, p90=300, cap=1024)
+AGENT_TOOL_TIME_MEAN_S = 1.0  # the tool runs between a reply and the next turn (the "think time")
+
+
+def agent_32k(rate_conv_per_s: float, duration_s: float, seed: int = 0,
+              tool_time_mean_s: float = AGENT_TOOL_TIME_MEAN_S) -> Manifest:
+    """Agent-like sessions growing to a 32K context: turn 1 sends median 6,000 / p90 12,000
+    tokens (system prompt, tool schemas, task), each later turn appends a tool output of median
+    2,500 / p90 6,000 tokens (cap 8,192: a file, a search result, a command's log), every reply
+    is median 80 / p90 300 tokens (cap 1,024);
+    turns go on while the whole context (user tokens, replies and the simulator's template
+    tokens) stays within 32,768 tokens (at most 40 turns, at least 2: a tool output that would
+    overflow is cut to fit). Tool time between turns is exponential, mean ``tool_time_mean_s``.
+    Prefill-heavy appends on a long cached history: where re-prefilling or re-sending the
+    history costs most."""
+
+    def plan(rng: random.Random) -> list[ManifestTurn]:
+        first_tokens = AGENT_FIRST.sample(rng)
+        first = ManifestTurn(AGENT_REPLY.sample(rng), user_tokens=first_tokens)
+        turns = [first]
+        context = first_tokens + first.max_tokens + sim.TEMPLATE_TOKENS
+        while len(turns) < AGENT_MAX_TURNS:
+            user, reply = AGENT_TOOL_OUTPUT.sample(rng), AGENT_REPLY.sample(rng)
+            room = AGENT_CONTEXT_TOKENS - context - reply - sim.TEMPLATE_TOKENS
+            if room < 1 or (user > room and len(turns) > 1):
+                break
+            user = min(user, room)  # only the second turn is cut to fit: every session has a tool turn
+            turns.append(ManifestTurn(reply, user_tokens=user, think_time_s=_think(rng, tool_time_mean_s)))
+            context += user + reply + sim.TEMPLATE_TOKENS
+        return turns
+
+    return _build("agent-32k", f"agent-like: turn 1 ~6k, tool outputs ~2.5k, replies ~80 tokens, "
+                  f"context up to {AGENT_CONTEXT_TOKENS}", rate_conv_per_s, duration_s, seed, plan)
+
+
 # --- a real ShareGPT file -------------------------------------------------------------------
 
 _HUMAN = {"human", "user"}
@@ -373,6 +447,8 @@ WORKLOADS: dict[str, Callable[..., Manifest]] = {
     **{f"turns-{n}": functools.partial(turn_scaling, n) for n in range(2, 17)},
     "sharegpt": sharegpt_like,
     "wildchat": wildchat_like,
+    "many-turn": many_turn,
+    "agent-32k": agent_32k,
 }
 """Every named workload, called as ``(rate_conv_per_s, duration_s, seed=0) -> Manifest``."""
 
