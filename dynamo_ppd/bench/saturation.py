@@ -67,23 +67,25 @@ class Sweep(msgspec.Struct, frozen=True):
 
 
 # Sized so that the whole `sim compare` (the paper/chat grid and these) stays under 25 minutes
-# on 2 cores (docs/policies.md says how long it took); what a lane costs is the simulator's work
-# for the conversations in flight at its top rungs, so the sizes are about those:
+# on 2 cores: the sweeps cost about a quarter of the grid's CPU (docs/policies.md says how long a
+# run took). What a lane costs is the simulator's work for the conversations in flight at its top
+# rungs, so the sizes are about those:
 # - long-context saturates on prefill (10k-token first turns), cheap to reach: steps of 1.41 from
 #   light load to past replicas' saturation, over the paper's own 10 s windows and 120 s timeout;
-# - many-turn saturates on decode batches: ~1,000 conversations in flight on four GPUs, ~20 CPU s
-#   a lane at 64 conv/s, so the ladder doubles and stops there (a configuration that sustains
-#   more shows ">= 64"); 20 s windows (a conversation lasts ~20 s at load);
-# - agent-32k saturates on KV (a 32K session holds 4 GB) with ~10 turns of 20-30k-token prompts
-#   each, every one hashed and cached by the simulator: steps of 1.41 up to 5.7 conv/s, 30 s
-#   windows (a session lasts ~30 s).
-# Start rates are light load on every configuration (their medians are the unloaded ones).
+# - many-turn saturates on decode batches: ~1,000 conversations in flight on four GPUs. The
+#   ladder doubles and stops at 32 conv/s (a 64 conv/s rung would cost ~20 CPU s a lane, ~40%
+#   of all the sweeps); 1P3D, 2P2D and replicas sustain more and show ">= 32";
+# - agent-32k saturates on KV (a 32K session holds 4 GB), with ~9 turns of 20-30k-token prompts
+#   a session, each hashed and cached by the simulator: the ladder doubles up to 8 conv/s.
+# Windows: long enough that conversations overlap as in a steady stream (a many-turn conversation
+# lasts ~20 s at load, an agent session ~30 s). Start rates are light load on every
+# configuration (their medians are the unloaded ones).
 SWEEPS: dict[str, Sweep] = {
     "long-context": Sweep("long-context", start_rate=0.5, step=2 ** 0.5, rungs=12, window_s=10.0,
                           timeout_s=PAPER_TIMEOUT_S),
-    "many-turn": Sweep("many-turn", start_rate=2.0, step=2.0, rungs=6, window_s=20.0,
+    "many-turn": Sweep("many-turn", start_rate=2.0, step=2.0, rungs=5, window_s=20.0,
                        timeout_s=CHAT_TIMEOUT_S),
-    "agent-32k": Sweep("agent-32k", start_rate=0.25, step=2 ** 0.5, rungs=10, window_s=30.0,
+    "agent-32k": Sweep("agent-32k", start_rate=0.25, step=2.0, rungs=6, window_s=30.0,
                        timeout_s=CHAT_TIMEOUT_S),
 }
 
