@@ -35,12 +35,16 @@ class FakePicker:
         self.result = result
         self.seen: list[tuple[dict, bytes, str]] = []
         self.subsets: list[list[str] | None] = []
+        self.statuses: list[int | None] = []
 
     def frontend(self, subset=None) -> str:
         self.subsets.append(subset)
         return subset[0] if subset else "127.0.0.1:8001"
 
-    async def pick(self, headers, body, path, subset=None):
+    def answered(self, pick, status) -> None:
+        self.statuses.append(status)
+
+    async def pick(self, headers, body, path, subset=None, clock=None):
         self.seen.append((dict(headers), body, path))
         self.subsets.append(subset)
         if isinstance(self.result, Refusal):
@@ -52,7 +56,7 @@ class FakeMetrics:
     def __init__(self):
         self.outcomes: list[str] = []
 
-    def observe(self, outcome: str, seconds: float, cpu_s: float = 0.0) -> None:
+    def observe(self, outcome: str, seconds: float, cpu_s: float = 0.0, stages=None) -> None:
         self.outcomes.append(outcome)
 
 
@@ -227,12 +231,12 @@ class _Routing:
         self.raises = raises
         self.decode_chosen_downstream = False
 
-    async def plan_turn(self, request, tokens):
+    async def plan_turn(self, request, tokens, forced=None, lap=None):
         raise self.raises
 
 
 class _Tokens:
-    def tokens(self, body, path):
+    def tokens(self, body, path, lap=None):
         return [1] * len(body["messages"][0]["content"].split())
 
 

@@ -116,13 +116,13 @@ class _Routing:
         self.planned = 0
         self.decode_chosen_downstream = False
 
-    async def plan_turn(self, request, tokens):
+    async def plan_turn(self, request, tokens, forced=None, lap=None):
         self.planned += 1
         raise AssertionError("a request with no frontend to go to must not be planned")
 
 
 class _Tokens:
-    def tokens(self, body, path):
+    def tokens(self, body, path, lap=None):
         return [1, 2, 3]
 
 

@@ -25,12 +25,12 @@ class _Picker:
     def frontend(self, subset=None) -> str:
         return "10.0.0.8:8000"
 
-    async def pick(self, headers, body, path, subset=None) -> Pick:
+    async def pick(self, headers, body, path, subset=None, clock=None) -> Pick:
         return Pick("10.0.0.8:8000", {"x-dynamo-routing": "decode_local"}, (), None)
 
 
 class _Metrics:
-    def observe(self, outcome, seconds, cpu_s=0.0) -> None:
+    def observe(self, outcome, seconds, cpu_s=0.0, stages=None) -> None:
         pass
 
 

@@ -20,6 +20,7 @@ class PickerConfig:
     frontend_refresh_s: float = 5.0  # names are resolved again this often
     secure_serving: bool = False  # ext_proc over TLS (`tls`); health_port stays plaintext
     cert_path: str | None = None  # tls.crt/tls.key; None: a self-signed certificate
+    timings: bool = False  # each route carries the picker's own time per stage (dynamic metadata)
 
 
 def _endpoint_list(text: str) -> tuple[str, ...]:
@@ -65,6 +66,10 @@ def build_picker_parser() -> argparse.ArgumentParser:
     g.add_argument("--cert-path", default=None,
                    help="with --secure-serving: a directory with tls.crt and tls.key (a mounted "
                    "kubernetes.io/tls Secret); default: a self-signed certificate made at start")
+    g.add_argument("--timings", action="store_true",
+                   help="add the picker's own time for each request, per stage, to the route's "
+                   "dynamic metadata (namespace ppd.picker, microseconds): for the request-path "
+                   "benchmark (dynamo-ppd bench picker) and gateway access logs")
     return p
 
 
@@ -83,4 +88,5 @@ def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, PickerConfi
     if a.cert_path and not a.secure_serving:
         parser.error("--cert-path is for --secure-serving; add it, or drop --cert-path")
     return config_from(parser, a), PickerConfig(a.grpc_host, a.grpc_port, a.health_port, a.frontend,
-                                                a.frontend_refresh, a.secure_serving, a.cert_path)
+                                                a.frontend_refresh, a.secure_serving, a.cert_path,
+                                                a.timings)

@@ -31,7 +31,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from .metrics import PickerMetrics
-from .picker import Picker, Refusal
+from .picker import Pick, Picker, Refusal, StageClock
 
 log = logging.getLogger("dynamo_ppd.picker")
 
@@ -42,6 +42,7 @@ DESTINATION_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+TIMING_NAMESPACE = "ppd.picker"  # the picker's own time per request (`timing_metadata`)
 
 
 def endpoint_subset(message: pb.ProcessingRequest) -> list[str] | None:
@@ -102,19 +103,43 @@ def immediate_response(refusal: Refusal) -> pb.ProcessingResponse:
         body=refusal.body(), details=f"ppd_picker_{refusal.kind}"))
 
 
+def response_status(headers: pb.HttpHeaders) -> int | None:
+    """The ``:status`` of a response-headers message (None when absent or not a number)."""
+    for header in headers.headers.headers:
+        if header.key == ":status":
+            value = _header_value(header)
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def timing_metadata(reply: pb.ProcessingResponse, clock: StageClock) -> None:
+    """Add the picker's own time for this request to the reply's dynamic metadata, namespace
+    `TIMING_NAMESPACE`: microseconds from the first ext_proc message in to the route out
+    (``path_us``) and per stage (`picker.STAGES`), for the request-path benchmark and for a
+    gateway's access log (Envoy merges dynamic metadata into the request's)."""
+    fields = {"path_us": round(clock.total * 1e6, 1)}
+    fields.update({f"{stage}_us": round(seconds * 1e6, 1) for stage, seconds in clock.stages.items()})
+    reply.dynamic_metadata.fields[TIMING_NAMESPACE].struct_value.update(fields)
+
+
 class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
     """`Process`: one stream per HTTP request (see the module docstring)."""
 
-    def __init__(self, picker: Picker, metrics: PickerMetrics):
+    def __init__(self, picker: Picker, metrics: PickerMetrics, timings: bool = False):
         self.picker = picker
         self.metrics = metrics
+        self.timings = timings  # each route carries its stage times (`timing_metadata`)
 
     async def Process(self, request_iterator, context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
         headers: dict[str, str] = {}
         subset: list[str] | None = None
         body = bytearray()
         full_duplex = True  # GAIE's gateways stream; Envoy says which mode in protocol_config
+        clock: StageClock | None = None
+        picked: list[Pick] = []  # the request's pick, once made (its answer's status is checked)
         async for message in request_iterator:
+            if clock is None:
+                clock = StageClock()
             kind = message.WhichOneof("request")
             if message.HasField("protocol_config"):
                 full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
@@ -131,12 +156,18 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             elif kind == "request_body":
                 body += message.request_body.body
                 if message.request_body.end_of_stream:
-                    async for reply in self._route(headers, subset, bytes(body), full_duplex):
+                    clock.lap("body")
+                    async for reply in self._route(headers, subset, bytes(body), full_duplex, clock,
+                                                   picked):
                         yield reply
                     body.clear()
             elif kind == "request_trailers":
                 yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
             elif kind == "response_headers":
+                # The frontend's answer to the routed request: a failure there tells the picker
+                # what discovery does not yet (a pinned prefill worker that is gone).
+                if picked:
+                    self.picker.answered(picked[0], response_status(message.response_headers))
                 yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
             elif kind == "response_body":  # passed through unchanged, as GAIE's EPP does
                 chunk = message.response_body
@@ -148,23 +179,29 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
     async def _route(self, headers: dict[str, str], subset: list[str] | None, body: bytes,
-                     full_duplex: bool) -> AsyncIterator[pb.ProcessingResponse]:
-        started, cpu = time.perf_counter(), time.thread_time()
-        outcome = "routed"
+                     full_duplex: bool, clock: StageClock, picks: list[Pick]
+                     ) -> AsyncIterator[pb.ProcessingResponse]:
+        cpu = time.thread_time()
         try:
             picked = await self.picker.pick(headers, body, headers.get(":path", "/v1/chat/completions"),
-                                            subset)
+                                            subset, clock)
         except Refusal as refusal:
-            outcome = f"refused_{refusal.status}"
             log.info("HTTP %d: %s", refusal.status, refusal)
-            yield immediate_response(refusal)
-            return
-        finally:
+            reply = immediate_response(refusal)
+            clock.lap("answer")
             # thread_time: the pick runs on the event loop's thread and rarely awaits (an etcd
             # read of a session another replica wrote), so this is its own CPU.
-            self.metrics.observe(outcome, time.perf_counter() - started, time.thread_time() - cpu)
+            self.metrics.observe(f"refused_{refusal.status}", clock.total, time.thread_time() - cpu,
+                                 clock.stages)
+            yield reply
+            return
+        picks.append(picked)
         length = len(picked.body) if picked.body is not None else None
         routed = headers_response(picked.endpoint, picked.set_headers, picked.remove_headers, length)
+        clock.lap("answer")
+        self.metrics.observe("routed", clock.total, time.thread_time() - cpu, clock.stages)
+        if self.timings:
+            timing_metadata(routed, clock)
         if full_duplex:
             yield routed
             yield body_response(picked.body if picked.body is not None else body, True)

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dynamo.llm.exceptions import InvalidArgument
 
@@ -53,6 +53,34 @@ class Refusal(Exception):
                                      "code": self.status}}).encode()
 
 
+class StageClock:
+    """Where one request's time in the picker goes: seconds per stage, each stage the time since
+    the previous lap (`STAGES` in path order). Started at the stream's first ext_proc message."""
+
+    __slots__ = ("started", "stages", "_last")
+
+    def __init__(self, started: float | None = None):
+        self.started = time.perf_counter() if started is None else started
+        self._last = self.started
+        self.stages: dict[str, float] = {}
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - self._last
+        self._last = now
+
+    @property
+    def total(self) -> float:
+        """From the first message in to the last lap."""
+        return self._last - self.started
+
+
+# The stages of a routed request, in order: the body arriving over gRPC, JSON parse, the chat
+# template, tokenization, Dynamo's block hashes, the plan (session, residency, loads, policy),
+# charging and recording the turn, and the ext_proc answer built.
+STAGES = ("body", "parse", "template", "tokenize", "hashes", "plan", "record", "answer")
+
+
 @dataclass(frozen=True)
 class Pick:
     """Where a request goes and how: the frontend endpoint (``ip:port``), the header mutation,
@@ -62,6 +90,7 @@ class Pick:
     set_headers: dict[str, str]
     remove_headers: tuple[str, ...]
     body: bytes | None
+    turn: Turn | None = field(default=None, compare=False)  # the plan (its workers), for the answer's status
 
 
 class Picker:
@@ -88,10 +117,11 @@ class Picker:
         return endpoint
 
     async def pick(self, headers: Mapping[str, str], body: bytes, path: str,
-                   subset: Sequence[str] | None = None) -> Pick:
+                   subset: Sequence[str] | None = None, clock: StageClock | None = None) -> Pick:
         """Route one request; raises `Refusal` (4xx/5xx) for one that must not be forwarded.
-        ``subset``: the endpoints the gateway allows (see `frontend`)."""
+        ``subset``: the endpoints the gateway allows (see `frontend`); ``clock``: laps each stage."""
         errors = self.routing.metrics.errors
+        clock = clock or StageClock()
         try:
             request = json.loads(body)
         except ValueError as exc:
@@ -100,8 +130,10 @@ class Picker:
         if not isinstance(request, dict):
             errors.labels("bad_request").inc()
             raise Refusal(400, "the request body must be a JSON object", "bad_request")
+        clock.lap("parse")
         try:
-            tokens = self.tokenizer.tokens(request, path)
+            tokens = self.tokenizer.tokens(request, path, lap=clock.lap)
+            clock.lap("tokenize")
         except PromptError as exc:
             errors.labels("bad_request").inc()
             raise Refusal(400, str(exc), "bad_request") from None
@@ -119,7 +151,8 @@ class Picker:
                         "agent_context": {"session_id": session_id} if session_id else None}
         self.routing.rate.record(time.monotonic())
         try:
-            turn = await self.routing.plan_turn(turn_request, tokens)
+            turn = await self.routing.plan_turn(turn_request, tokens, lap=clock.lap)
+            clock.lap("plan")
         except NoWorkers as exc:
             errors.labels("no_workers").inc()
             raise Refusal(503, str(exc), "no_workers") from None
@@ -130,7 +163,24 @@ class Picker:
         self._charge(turn, max_tokens)
         self._keep(self.routing.record_turn(turn, tokens, []))
         new_body = json.dumps(request).encode() if without_client_pins(request) else None
-        return Pick(endpoint, route.set, route.remove, new_body)
+        clock.lap("record")
+        return Pick(endpoint, route.set, route.remove, new_body, turn)
+
+    def answered(self, pick: Pick, status: int | None) -> None:
+        """The gateway reports the frontend's answer status for a routed request. A 5xx for a turn
+        pinned to a prefill worker most likely means that worker is gone (Dynamo's frontend
+        neither re-routes nor migrates a pinned prefill): it is left out of plans at once, for
+        the time the relay router leaves out a worker that failed under it
+        (`Routing.mark_unreachable`), rather than until discovery drops it (~20 s)."""
+        turn = pick.turn
+        if status is None or status < 500 or turn is None or turn.decision.route is not Route.VIA_PREFILL:
+            return
+        if turn.prefill is None:
+            return
+        log.warning("HTTP %d for a turn pinned to prefill worker %x: leaving it out of plans",
+                    status, turn.prefill)
+        self.routing.metrics.errors.labels("prefill_failed").inc()
+        self.routing.mark_unreachable(turn.prefill)
 
     def _charge(self, turn: Turn, max_tokens: int | None) -> None:
         """Count the turn on its workers until it is predicted to end (see the module docstring)."""

@@ -35,7 +35,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -549,16 +549,20 @@ class PromptTokenizer:
 
     # -- the token ids ---------------------------------------------------------------------------
 
-    def tokens(self, body: Mapping[str, Any], path: str) -> list[int]:
+    def tokens(self, body: Mapping[str, Any], path: str,
+               lap: Callable[[str], None] | None = None) -> list[int]:
         """The token ids Dynamo's frontend sends the worker for ``body`` POSTed to ``path``
         (``/v1/chat/completions`` or ``/v1/completions``); `PromptError` for a request it refuses
         (or, for a batch of several completions prompts, one the picker cannot route as one).
-        preprocessor.rs ``preprocess_request``, ``validate_token_count``."""
+        preprocessor.rs ``preprocess_request``, ``validate_token_count``. ``lap``: told
+        "template" once a chat is rendered (the picker's stage clock)."""
         if not isinstance(body, Mapping):
             raise PromptError("the request body must be a JSON object")
         endpoint = _normalized_path(path)
         if endpoint == CHAT_PATH:
             prompt = self.render(body)  # rendered even with token_data: its errors are the frontend's too
+            if lap is not None:
+                lap("template")
             data = self._token_data(body)
             ids = data if data is not None else self.encode(prompt)
         elif endpoint == COMPLETIONS_PATH:

@@ -57,7 +57,7 @@ async def serve(configs: tuple[RouterConfig, PickerConfig]) -> None:
         server = grpc.aio.server()
         if ext_proc:
             external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-                ExtProcService(picker, picker_metrics), server)
+                ExtProcService(picker, picker_metrics, picker_config.timings), server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         address = f"{picker_config.grpc_host}:{port}"
         if ext_proc and picker_config.secure_serving:

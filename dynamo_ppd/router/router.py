@@ -150,7 +150,7 @@ class PpdRouter(Routing):
                 if _cancelled(context):
                     return  # the client went away: not the worker's failure, nothing to retry
                 failed.add(exc.worker)
-                self._unreachable[exc.worker] = time.monotonic()
+                self.mark_unreachable(exc.worker)
                 if attempt == MAX_ATTEMPTS - 1:
                     self.metrics.errors.labels("workers_failed").inc()
                     from dynamo.llm.exceptions import WorkerUnavailable

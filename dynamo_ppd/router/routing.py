@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,14 +180,18 @@ class Routing:
             await self._nats.close()
 
     # -- a turn's plan ---------------------------------------------------------------------------
-    async def plan_turn(self, request: dict, tokens: list[int], forced: str | None = None) -> Turn:
+    async def plan_turn(self, request: dict, tokens: list[int], forced: str | None = None,
+                        lap: Callable[[str], None] | None = None) -> Turn:
         """Decide the route and workers; ``forced``: a table-building client's route. The I/O
         around `planner.plan`: hash the prompt, find its session (etcd), read the residency index
-        and the loads into the planner's views; then count, log and claim what the plan says."""
+        and the loads into the planner's views; then count, log and claim what the plan says.
+        ``lap``: told "hashes" once the prompt is hashed (the picker's stage clock)."""
         started = time.perf_counter()
         cfg = self.config
         local_hashes = self._hash(tokens, cfg.block_size)
         residency_chain = prefix_chain(local_hashes)
+        if lap is not None:
+            lap("hashes")
         header_id = (request.get("agent_context") or {}).get("session_id")
         record, session_id, turn = await self._find_session(header_id, tokens, residency_chain)
         replica_mode = cfg.mode.value == "replica"
@@ -289,6 +293,12 @@ class Routing:
                 del self._unreachable[worker]
         reachable = [w for w in ids if w not in self._unreachable]
         return reachable or ids
+
+    def mark_unreachable(self, worker: int) -> None:
+        """A request to ``worker`` just failed: leave it out of plans for `UNREACHABLE_S`
+        (see `instances`). The relay router calls this when a worker fails under it, the picker
+        when the gateway reports a 5xx for a turn it pinned there."""
+        self._unreachable[worker] = time.monotonic()
 
     async def _find_session(self, header_id: str | None, tokens: list[int], chain: list[int]
                             ) -> tuple[SessionRecord | None, str, int]:
