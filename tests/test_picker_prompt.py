@@ -223,6 +223,8 @@ CASES: list[tuple[str, str | None, str, dict]] = [
     ("completions_one_string_in_a_list", None, COMPLETIONS_PATH, {"prompt": ["Only one prompt"]}),
     ("nvext_token_data", None, COMPLETIONS_PATH, {"prompt": "ignored",
                                                   "nvext": {"token_data": [1000, 1003]}}),
+    ("chat_nvext_token_data", None, CHAT, {"messages": [{"role": "user", "content": "ignored"}],
+                                           "nvext": {"token_data": [1000, 1003, 1007]}}),
     ("llama32_tools", "llama32-template", CHAT, {
         "messages": [{"role": "system", "content": f"  {SYSTEM}\n"},
                      {"role": "user", "content": " Weather? "}],
@@ -341,6 +343,36 @@ def capture(model_dir, tmp_path_factory):
 
 def _body(capture: Capture, model: str | None, body: dict) -> dict:
     return {"model": model or capture.deployment.model_name, "max_tokens": 1, **body}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["five_turn_history", "unicode", "completions_prompt", "llama32_multi_turn",
+                                  "completions_token_ids"])
+def test_the_frontend_takes_the_pickers_token_ids_instead_of_tokenizing(capture, case):
+    """The body the picker forwards (`Picker._body_to_send`: the ids spliced in as
+    ``nvext.token_data``) reaches the worker as the same ids the client's body gives; and the
+    frontend does use the ids it is sent, not its own tokenization (a marker id proves it)."""
+    from dynamo_ppd.picker.picker import Picker
+
+    model, path, body = next(c[1:] for c in CASES if c[0] == case)
+    body = _body(capture, model, body)
+    picker = Picker.__new__(Picker)  # only its body rewrite is exercised here
+    picker.send_token_ids, picker.tokenizer = True, capture.tokenizers[model]
+    mine = capture.tokenizers[model].tokens(body, path)
+    raw = json.dumps(body).encode()
+    forwarded = picker._body_to_send(raw, json.loads(raw), mine, path)
+    if case == "completions_token_ids":
+        assert forwarded is None  # a prompt of ids is not tokenized by the frontend: sent as is
+        return
+    assert forwarded is not None and json.loads(forwarded)["nvext"]["token_data"] == mine
+    status, text, sent = capture.post(path, json.loads(forwarded))
+    assert status == 200, text
+    assert sent == [mine]
+    marked = [*mine[:-1], 1234]  # not what the text tokenizes to: only token_data can give it
+    status, text, sent = capture.post(path, {**body, "nvext": {"token_data": marked}})
+    assert status == 200, text
+    assert sent == [marked]
 
 
 @pytest.mark.e2e

@@ -238,3 +238,76 @@ def test_a_healthy_etcd_is_probed_only_when_no_other_call_reached_it_lately(etcd
             await sessions.stop()
 
     asyncio.run(run())
+
+
+def test_write_behind_batches_turns_into_one_transaction_under_a_shared_lease(etcd_url):
+    """`record_later` (the picker's): the table has the record at once; etcd gets a batch's
+    records in one transaction under one lease that outlives the session TTL; another replica
+    sees them through its watch; this replica skips the echo of its own writes; evicting one
+    batched session deletes its key only (the shared lease is never revoked); stop flushes what
+    is still queued."""
+
+    async def run():
+        writer = EtcdSessions(etcd_url, prefix="behind", ttl_s=60, max_sessions=20)
+        reader = EtcdSessions(etcd_url, prefix="behind", ttl_s=60)
+        await writer.start()
+        await reader.start()
+        transactions = []
+        real_transaction = writer._client.transaction
+
+        async def counted(*args, **kwargs):
+            transactions.append(len(kwargs["success"]))
+            return await real_transaction(*args, **kwargs)
+
+        writer._client.transaction = counted
+        try:
+            for i in range(10):
+                writer.record_later(SessionRecord(f"s{i}", decode_worker=i, turn=1))
+            writer.record_later(SessionRecord("s3", decode_worker=3, turn=2))  # replaces s3's turn 1
+            assert writer.get("s3").turn == 2 and transactions == []  # local now, etcd later
+            await asyncio.sleep(0.3)
+            assert transactions == [10]
+            async with client_for(etcd_url) as client:
+                found = [await client.get(f"behind/sessions/s{i}".encode()) for i in range(10)]
+                assert all(f is not None for f in found)
+                assert len({f.lease for f in found}) == 1
+                assert (await client.get_lease_info(found[0].lease)).TTL > 60
+                assert decode_value(found[3].value).turn == 2
+            assert reader.get("s3") is not None and reader.get("s3").turn == 2
+            assert writer._echo == {}  # every echo came back and was skipped
+            # Eviction: 11 more sessions past --max-sessions 20 evict the oldest (s0) alone.
+            for i in range(10, 21):
+                writer.record_later(SessionRecord(f"s{i}", decode_worker=i, turn=1))
+            await asyncio.sleep(0.3)
+            async with client_for(etcd_url) as client:
+                assert await client.get(b"behind/sessions/s0") is None
+                assert await client.get(b"behind/sessions/s1") is not None
+            writer.record_later(SessionRecord("last", decode_worker=1, turn=1))
+        finally:
+            await writer.stop()  # flushes "last", still queued
+            await reader.stop()
+        async with client_for(etcd_url) as client:
+            assert await client.get(b"behind/sessions/last") is not None
+
+    asyncio.run(run())
+
+
+def test_write_behind_while_etcd_is_away_is_written_on_its_return(etcd_url):
+    async def run():
+        sessions = EtcdSessions(etcd_url, prefix="behind-away", ttl_s=60)
+        await sessions.start()
+        try:
+            sessions._set_health(False)
+            sessions.record_later(SessionRecord("s1", decode_worker=1, turn=1))
+            assert sessions.get("s1") is not None and "s1" in sessions._dirty
+            for task in [t for t in sessions._tasks if t.get_name() == "etcd-watch"]:
+                task.cancel()
+                sessions._tasks.remove(task)
+            await sessions._resync()
+            async with client_for(etcd_url) as client:
+                found = await client.get(b"behind-away/sessions/s1")
+                assert found is not None and decode_value(found.value).turn == 1
+        finally:
+            await sessions.stop()
+
+    asyncio.run(run())

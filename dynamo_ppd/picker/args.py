@@ -21,6 +21,7 @@ class PickerConfig:
     secure_serving: bool = False  # ext_proc over TLS (`tls`); health_port stays plaintext
     cert_path: str | None = None  # tls.crt/tls.key; None: a self-signed certificate
     timings: bool = False  # each route carries the picker's own time per stage (dynamic metadata)
+    send_token_ids: bool = True  # the body carries the picker's token ids (nvext.token_data)
 
 
 def _endpoint_list(text: str) -> tuple[str, ...]:
@@ -66,6 +67,11 @@ def build_picker_parser() -> argparse.ArgumentParser:
     g.add_argument("--cert-path", default=None,
                    help="with --secure-serving: a directory with tls.crt and tls.key (a mounted "
                    "kubernetes.io/tls Secret); default: a self-signed certificate made at start")
+    g.add_argument("--token-ids", dest="send_token_ids", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="send the prompt's token ids to the frontend in the body's "
+                   "nvext.token_data, so Dynamo's frontend does not tokenize the prompt a second "
+                   "time (as Dynamo's own EPP does); --no-token-ids forwards the client's body as is")
     g.add_argument("--timings", action="store_true",
                    help="add the picker's own time for each request, per stage, to the route's "
                    "dynamic metadata (namespace ppd.picker, microseconds): for the request-path "
@@ -89,4 +95,4 @@ def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, PickerConfi
         parser.error("--cert-path is for --secure-serving; add it, or drop --cert-path")
     return config_from(parser, a), PickerConfig(a.grpc_host, a.grpc_port, a.health_port, a.frontend,
                                                 a.frontend_refresh, a.secure_serving, a.cert_path,
-                                                a.timings)
+                                                a.timings, a.send_token_ids)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 from dynamo.llm.exceptions import InvalidArgument
 
 from ..policy.decision import Route
@@ -97,11 +98,11 @@ class Picker:
     """The per-request handler around the shared routing state (see the module docstring)."""
 
     def __init__(self, routing: Routing, tokenizer: PromptTokenizer,
-                 frontends: Frontends | Sequence[str]):
+                 frontends: Frontends | Sequence[str], send_token_ids: bool = True):
         self.routing = routing
         self.tokenizer = tokenizer
+        self.send_token_ids = send_token_ids  # `_body_to_send`
         self.frontends = frontends if isinstance(frontends, Frontends) else Frontends(frontends)
-        self._background: set[asyncio.Task] = set()
         routing.decode_chosen_downstream = True
 
     def frontend(self, subset: Sequence[str] | None = None) -> str:
@@ -161,10 +162,32 @@ class Picker:
             raise Refusal(400, str(exc), "bad_request") from None
         route = route_headers(turn.decision.route, turn.prefill, turn.session_id)
         self._charge(turn, max_tokens)
-        self._keep(self.routing.record_turn(turn, tokens, []))
-        new_body = json.dumps(request).encode() if without_client_pins(request) else None
+        self.routing.record_routed(turn, tokens)
+        new_body = self._body_to_send(body, request, tokens, path)
         clock.lap("record")
         return Pick(endpoint, route.set, route.remove, new_body, turn)
+
+    def _body_to_send(self, body: bytes, request: dict, tokens: list[int], path: str) -> bytes | None:
+        """The body the frontend gets: None (the client's bytes) or a new one, without a client's
+        routing pins (`without_client_pins`) and, with ``send_token_ids``, carrying the picker's
+        token ids as ``nvext.token_data``. Dynamo 1.6.1's preprocessor (``gather_tokens`` in
+        lib/llm/src/preprocessor.rs, "[SIDECAR-SKIP-TOKENIZE] Found nvext.token_data") then uses
+        them instead of tokenizing the prompt a second time, as it does for Dynamo's own EPP
+        (deploy/inference-gateway, ``setTokenizedPrompt``); the chat template is still rendered
+        there. A prompt given as token ids needs no tokenizing and is left alone."""
+        pinned = without_client_pins(request)
+        nvext = request.get("nvext")
+        carries_ids = isinstance(nvext, dict) and "token_data" in nvext
+        if not self.send_token_ids or carries_ids or not self.tokenizer.tokenized_text(request, path):
+            return msgspec.json.encode(request) if pinned else None
+        if pinned or nvext is not None:
+            request.setdefault("nvext", {})["token_data"] = tokens
+            return msgspec.json.encode(request)
+        # No nvext in the body: splice it in before the object's closing brace rather than encode
+        # the whole request again (a 100K-token prompt is ~400 KB of text).
+        end = body.rindex(b"}")
+        return b"".join((body[:end], b',"nvext":{"token_data":', msgspec.json.encode(tokens), b"}}",
+                         body[end + 1:]))
 
     def answered(self, pick: Pick, status: int | None) -> None:
         """The gateway reports the frontend's answer status for a routed request. A 5xx for a turn
@@ -209,14 +232,3 @@ class Picker:
                 loads.prefill_tokens[worker] = max(0, loads.prefill_tokens[worker] - prompt)
 
             loop.call_later(min(prefill_s, HOLD_MAX_S), release_prefill)
-
-    def _keep(self, coro) -> None:
-        """Run a session write in the background: the route does not wait for etcd."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def drain(self) -> None:
-        """Wait for the session writes under way (at stop)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)

@@ -577,6 +577,19 @@ class PromptTokenizer:
         return ids
 
     @staticmethod
+    def tokenized_text(body: Mapping[str, Any], path: str) -> bool:
+        """Whether the frontend tokenizes text for this (valid) request: a chat, or a completion
+        whose prompt is a string (alone or as a one-item list), not token ids."""
+        endpoint = _normalized_path(path)
+        if endpoint == CHAT_PATH:
+            return True
+        prompt = body.get("prompt")
+        if endpoint != COMPLETIONS_PATH:
+            return False
+        return isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1
+                                           and isinstance(prompt[0], str))
+
+    @staticmethod
     def _token_data(body: Mapping[str, Any]) -> list[int] | None:
         """preprocessor.rs ``gather_tokens``: ``nvext.token_data`` (pre-tokenized by a component
         in front of the frontend) is used as is."""

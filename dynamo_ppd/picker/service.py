@@ -44,7 +44,8 @@ async def serve(configs: tuple[RouterConfig, PickerConfig]) -> None:
     path, cards = await start_routing(routing)
     frontends = Frontends(picker_config.frontends, picker_config.frontend_refresh_s)
     await frontends.start()
-    picker = Picker(routing, PromptTokenizer.from_model_dir(path), frontends)
+    picker = Picker(routing, PromptTokenizer.from_model_dir(path), frontends,
+                    send_token_ids=picker_config.send_token_ids)
     if routing.kv_sync is not None and not await routing.kv_sync.settled():
         log.warning("the workers' residency was not rebuilt within 10 s of start; serving anyway "
                     "(follow-ups go through prefill until their decode workers' KV events arrive)")
@@ -80,7 +81,6 @@ async def serve(configs: tuple[RouterConfig, PickerConfig]) -> None:
             await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         for server in servers:
             await server.stop(grace=2.0)
-        await picker.drain()
         await frontends.stop()
         if cards is not None:
             await cards.stop()

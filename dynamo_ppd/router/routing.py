@@ -349,20 +349,35 @@ class Routing:
 
     async def record_turn(self, plan: Turn, prompt: list[int], output: list[int]) -> None:
         """The turn is done: its decode worker now holds prompt + output; remember that."""
-        history = prompt + output
-        bs = self.config.block_size
-        known = len(plan.local_hashes)
-        # The history's blocks: the prompt's full blocks, then those the output completed.
-        local = plan.local_hashes + self._hash(history[known * bs:len(history) // bs * bs], bs)
-        history_hash, digest = history_hashes(prefix_chain(local), history, bs)
-        record = SessionRecord(session_id=plan.session_id, decode_worker=plan.decode,
-                               prefill_worker=plan.prefill, turn=plan.turn, context_tokens=len(history),
-                               history_hash=history_hash, history_digest=digest, last_access=time.time())
+        record = self._record(plan, prompt, output)
         # In etcd before the answer's stream ends (unless etcd is slow: `commit`), so a follow-up
         # the client sends to another router replica finds it there; this costs end-of-stream
         # latency, not TTFT.
         await self.sessions.commit(record)
         self.metrics.sessions_active.set(len(self.sessions.table))
+
+    def record_routed(self, plan: Turn, prompt: list[int]) -> None:
+        """The turn is routed and its answer will not be seen (the endpoint picker): its decode
+        worker will hold the prompt (the next prompt repeats the answer). In the local table now,
+        in etcd with the next write-behind batch (`EtcdSessions.record_later`): nothing on the
+        request's path waits for etcd, and the follow-up comes seconds later."""
+        self.sessions.record_later(self._record(plan, prompt, []))
+        self.metrics.sessions_active.set(len(self.sessions.table))
+
+    def _record(self, plan: Turn, prompt: list[int], output: list[int]) -> SessionRecord:
+        history = prompt + output if output else prompt
+        bs = self.config.block_size
+        known = len(plan.local_hashes)
+        if output or plan.chained is None:
+            # The history's blocks: the prompt's full blocks, then those the output completed.
+            local = plan.local_hashes + self._hash(history[known * bs:len(history) // bs * bs], bs)
+            chain = prefix_chain(local)
+        else:
+            chain = plan.chained  # the prompt's own prefix ids, computed when it was planned
+        history_hash, digest = history_hashes(chain, history, bs)
+        return SessionRecord(session_id=plan.session_id, decode_worker=plan.decode,
+                             prefill_worker=plan.prefill, turn=plan.turn, context_tokens=len(history),
+                             history_hash=history_hash, history_digest=digest, last_access=time.time())
 
 
 @dataclass

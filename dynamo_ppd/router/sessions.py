@@ -67,6 +67,14 @@ PROBE_AFTER_S = 1.0
 # 1.0 TTL after its last turn.
 REFRESH_AFTER_TTL_FRACTION = 0.1
 STOP_WAIT_S = 2.0  # how long stop() waits for its tasks, and for the etcd client to close
+# Write-behind (`record_later`, the endpoint picker's): a turn's record reaches etcd with the
+# next batch, at most this long after it was routed, all the batch's records in one transaction
+# (etcd's default --max-txn-ops is 128), under one lease per `LEASE_BUCKET_S` (granted with the
+# session TTL plus the bucket, so a session lives between TTL and TTL + bucket after its last
+# turn) instead of a lease and a refresh per session: one etcd call per batch, not one or two per turn.
+FLUSH_EVERY_S = 0.02
+MAX_TXN_OPS = 128
+LEASE_BUCKET_S = 60.0
 
 class SessionRecord(msgspec.Struct, forbid_unknown_fields=True):
     session_id: str
@@ -273,6 +281,13 @@ class EtcdSessions:
         self._tasks: list[asyncio.Task] = []
         self._warned = False
         self._last_ok = 0.0  # monotonic time of the last etcd call that succeeded (watch events too)
+        self._queued: dict[str, SessionRecord] = {}  # write-behind: records for the next batch
+        self._flusher: asyncio.Task | None = None
+        self._bucket: tuple[int, float] | None = None  # the batches' shared lease, when granted
+        self._shared_leases: set[int] = set()  # bucket leases this replica granted (never revoked)
+        # Values this replica wrote, by session, until their watch event comes back: the echo of
+        # one's own write is skipped before it is decoded and indexed again.
+        self._echo: dict[str, bytes] = {}
 
     def _new_table(self) -> SessionTable:
         return SessionTable(self.block_size, self.max_sessions, on_evict=self._evicted)
@@ -309,6 +324,8 @@ class EtcdSessions:
 
     async def flush(self) -> None:
         """Wait for the background writes, then write the dirty sessions."""
+        if self._queued and (self._flusher is None or self._flusher.done()):
+            self._flusher = self._background(self._flush_queued(delay_s=0.0))
         if self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
         if self._client is None or not self._dirty:
@@ -390,6 +407,61 @@ class EtcdSessions:
         task = self._background(self.save(record))
         await asyncio.wait({task}, timeout=wait_s)
 
+    def record_later(self, record: SessionRecord) -> None:
+        """A turn's record, write-behind: in the local table now, in etcd with the next batch
+        (within `FLUSH_EVERY_S`), nothing awaited. For a shell that records a turn as it routes
+        it, when the follow-up comes seconds later (the endpoint picker); `stop` flushes it."""
+        if self._kept_local(record):
+            return
+        self._queued[record.session_id] = record  # a later turn of the same session replaces it
+        if self._flusher is None or self._flusher.done():
+            self._flusher = self._background(self._flush_queued())
+
+    async def _flush_queued(self, delay_s: float = FLUSH_EVERY_S) -> None:
+        await asyncio.sleep(delay_s)
+        while self._queued:
+            batch = list(self._queued.values())[:MAX_TXN_OPS]
+            for record in batch:
+                del self._queued[record.session_id]
+            try:
+                await self._put_batch(batch)
+                self._last_ok = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 (etcd away: the resync writes them)
+                for record in batch:
+                    self._sync_later(record, exc)
+
+    async def _put_batch(self, batch: list[SessionRecord]) -> None:
+        """One transaction putting every record under the current bucket lease (a new one when
+        the bucket is over or its lease is gone)."""
+        for attempt in (1, 2):
+            lease = await self._bucket_lease(renew=attempt == 2)
+            tx = self._client.transactions
+            values = [(record, encode(record)) for record in batch]
+            for record, value in values:  # before the call: the watch may deliver before it returns
+                self._echo[record.session_id] = value
+            try:
+                await self._client.transaction(
+                    compare=[], success=[tx.put(self.prefix + r.session_id.encode(), v, lease)
+                                         for r, v in values], failure=[])
+            except Exception as exc:
+                for record, _ in values:
+                    self._echo.pop(record.session_id, None)
+                if attempt == 1 and _lease_gone(exc):
+                    continue
+                raise
+            for record, _ in values:
+                self._leases[record.session_id] = lease
+                self._refreshed.pop(record.session_id, None)
+            return
+
+    async def _bucket_lease(self, renew: bool = False) -> int:
+        now = time.monotonic()
+        if renew or self._bucket is None or now - self._bucket[1] > LEASE_BUCKET_S:
+            lease = (await self._client.lease(int(self.ttl_s + LEASE_BUCKET_S))).id
+            self._bucket = (lease, now)
+            self._shared_leases.add(lease)
+        return self._bucket[0]
+
     def _background(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._pending.add(task)
@@ -447,8 +519,14 @@ class EtcdSessions:
         if self._on_evict is not None:
             self._on_evict()
         self._dirty.discard(record.session_id)
+        self._queued.pop(record.session_id, None)
+        self._echo.pop(record.session_id, None)
         lease = self._leases.pop(record.session_id, None)
-        self._refreshed.pop(record.session_id, None)
+        granted = self._refreshed.pop(record.session_id, None)
+        if lease is not None and (granted is None or granted[0] != lease or lease in self._shared_leases):
+            # Not a lease this replica granted for this session alone (a batch's, or another
+            # replica's that may be one too): revoking it would take other sessions' keys along.
+            lease = None
         if self.healthy and self._client is not None:
             try:
                 self._background(self._delete(record.session_id, lease))
@@ -513,6 +591,9 @@ class EtcdSessions:
             async for event in await self._client.watch_prefix(self.prefix, start_revision=start_revision):
                 self._last_ok = time.monotonic()
                 session_id = event.kv.key[len(self.prefix):].decode()
+                if event.kind != aetcd.EventKind.DELETE and self._echo.get(session_id) == event.kv.value:
+                    del self._echo[session_id]  # our own batched write: the table has it
+                    continue
                 if event.kind == aetcd.EventKind.DELETE:
                     if session_id not in self._dirty:
                         self.table.remove(session_id)
