@@ -90,3 +90,19 @@ def test_relay_benchmark_refuses_what_it_cannot_measure_with_one_line(argv, comp
         main(argv)
     assert exit_.value.code == 2
     assert complaint in capsys.readouterr().err
+
+
+def test_what_the_callout_adds_is_paired_by_conversation():
+    from dynamo_ppd.bench.relay import TtftSetup, callout_added, render
+
+    # The gateway's conversations vary a lot (10-40 ms); the picker adds 2 ms to each.
+    gateway = [10.0 + 3 * i for i in range(11)]
+    ttft = {"gateway": (gateway, [g / 2 for g in gateway]),
+            "picker": ([g + 2 for g in gateway], [g / 2 + 1 for g in gateway])}
+    rows = callout_added(ttft)
+    assert rows[-2].startswith("| turn 1 | 2.00 [2.00, 2.00] ms | 11 |")
+    assert rows[-1].startswith("| turn 2 | 1.00 [1.00, 1.00] ms | 11 |")
+    assert callout_added({"gateway": ttft["gateway"]}) == []
+    text = render([], ttft, TtftSetup(11, 100_000, 20, 50.0))
+    assert "20 2-turn conversations in flight, turn 1 100,000 fresh words" in text
+    assert "workers at 50x" in text

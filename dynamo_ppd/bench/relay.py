@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,7 @@ from ..workloads.manifest import Manifest, ManifestConversation, ManifestHeader,
 from .client import run_manifest
 from .compare import ppd_graph_with_mode
 from .cpu import process_cpu_s, thread_cpu_s
+from .stats import paired_difference
 
 WORKLOAD = "syn-a-in32-out512"
 FIRST_TURN = (512, 128)  # (user tokens, max tokens)
@@ -316,29 +318,75 @@ def _ttft_ms(client: httpx.Client, base_url: str, model: str, messages: list[dic
     return first, text
 
 
-def measure_ttft(system: str, conversations: int, workdir: Path, tag: str) -> tuple[list[float], list[float]]:
-    """TTFT (ms) of turn 1 and turn 2 at low load: 2-turn conversations one after the other, with
-    gaps, fresh prompts (turn 1: 512 words, turn 2: 32 more), 4 output tokens."""
-    dep = _up(system, 1, workdir, tag)
+@dataclass(frozen=True)
+class TtftSetup:
+    """The low-load TTFT test: 2-turn conversations (turn 1 ``first_words`` fresh words, turn 2
+    32 more; 4 output tokens each), ``concurrency`` of them in flight at a time (1: one after
+    another, with gaps), the workers at ``worker_speedup``."""
+
+    conversations: int = 40
+    first_words: int = FIRST_TURN[0]
+    concurrency: int = 1
+    worker_speedup: float = 1.0
+
+    def describe(self) -> str:
+        at_a_time = ("one 2-turn conversation at a time" if self.concurrency == 1 else
+                     f"{self.concurrency} 2-turn conversations in flight")
+        speed = f", workers at {self.worker_speedup:g}x" if self.worker_speedup != 1 else ""
+        return f"{at_a_time}, turn 1 {self.first_words:,} fresh words, turn 2 +32, 4 output tokens{speed}"
+
+
+WARM_UP_CONVERSATIONS = 3
+
+
+def measure_ttft(system: str, setup: TtftSetup, workdir: Path, tag: str) -> tuple[list[float], list[float]]:
+    """TTFT (ms) of turn 1 and turn 2 of each conversation (`TtftSetup`), in conversation order;
+    every system gets the same prompts (one seed), so conversation i is the same on each."""
+    dep = _up(system, 1, workdir, tag, worker_speedup=setup.worker_speedup)
     rng = random.Random(0)
     words = [f"w{n}" for n in range(2000)]
-    first_ms, follow_ms = [], []
+    total = setup.conversations + WARM_UP_CONVERSATIONS
+    prompts = [(" ".join(rng.choices(words, k=setup.first_words)),
+                " ".join(rng.choices(words, k=FOLLOW_UP[0]))) for _ in range(total)]
+
+    def one(client: httpx.Client, c: int) -> tuple[float, float]:
+        first, follow = prompts[c]
+        messages = [{"role": "user", "content": first}]
+        t1, reply = _ttft_ms(client, dep.base_url, dep.model_name, messages, 4, f"ttft-{tag}-{c}")
+        time.sleep(0.05)
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": follow}]
+        t2, _ = _ttft_ms(client, dep.base_url, dep.model_name, messages, 4, f"ttft-{tag}-{c}")
+        time.sleep(0.05)
+        return t1, t2
+
     try:
-        with httpx.Client() as client:
-            for c in range(conversations + 3):  # the first 3 warm up
-                messages = [{"role": "user", "content": " ".join(rng.choices(words, k=FIRST_TURN[0]))}]
-                t1, reply = _ttft_ms(client, dep.base_url, dep.model_name, messages, 4, f"ttft-{tag}-{c}")
-                time.sleep(0.05)
-                messages += [{"role": "assistant", "content": reply},
-                             {"role": "user", "content": " ".join(rng.choices(words, k=FOLLOW_UP[0]))}]
-                t2, _ = _ttft_ms(client, dep.base_url, dep.model_name, messages, 4, f"ttft-{tag}-{c}")
-                time.sleep(0.05)
-                if c >= 3:
-                    first_ms.append(t1)
-                    follow_ms.append(t2)
+        with httpx.Client(limits=httpx.Limits(max_connections=setup.concurrency + 4)) as client:
+            for c in range(WARM_UP_CONVERSATIONS):
+                one(client, c)
+            with ThreadPoolExecutor(setup.concurrency) as pool:
+                timed = list(pool.map(lambda c: one(client, c), range(WARM_UP_CONVERSATIONS, total)))
     finally:
         dep.stop()
-    return first_ms, follow_ms
+    return [t1 for t1, _ in timed], [t2 for _, t2 in timed]
+
+
+def callout_added(ttft: dict[str, tuple[list[float], list[float]]], system: str = "picker",
+                  base: str = "gateway") -> list[str]:
+    """What ``system`` adds to TTFT over ``base`` (the same gateway in pass-through): the
+    difference of medians, paired by conversation (the same prompts), with its 95% interval."""
+    if system not in ttft or base not in ttft:
+        return []
+    rows = []
+    for turn, index in (("turn 1", 0), ("turn 2", 1)):
+        a = {str(i): [v] for i, v in enumerate(ttft[system][index])}
+        b = {str(i): [v] for i, v in enumerate(ttft[base][index])}
+        added = paired_difference(a, b)
+        if added is not None:
+            rows.append(f"| {turn} | {added.text(2)} ms | {added.conversations} |")
+    if not rows:
+        return []
+    return ["", f"TTFT {system} adds over {base} (difference of medians, paired by conversation, 95% "
+            "bootstrap interval):", "", "| turn | added | conversations |", "|---|---|---|", *rows]
 
 
 class Report(msgspec.Struct):
@@ -460,10 +508,13 @@ def thread_breakdown(runs: list[Run]) -> list[str]:
     return out
 
 
-def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) -> str:
+def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]],
+           setup: TtftSetup = TtftSetup()) -> str:
     """Markdown: CPU per relayed token per process, saturation rate, replicas, low-load TTFT."""
     out = [f"Load: `{WORKLOAD}` (turn 1 512 -> 128 tokens, turn 2 +32 -> 512), Poisson arrivals. "
            "CPU us per relayed token, mean [min-max] over repeats; tokens counted from the client.", ""]
+    if not runs:
+        out = []
     if any(r.workers == "mocker" for r in runs):
         out[-1:-1] = ["Workers: Dynamo's mocker, 3 aggregated (the speedup column is its --speedup-ratio); "
                       "the PPD router in `--mode replica`."]
@@ -503,13 +554,14 @@ def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]]) ->
                 out.append(f"| {run.system} x{run.replicas} @ {run.rate:g} #{n + 1} | {label} | "
                            f"{tokens:,.0f} | {tokens / total:.1%} | {run.cpu_s[label] / tokens * 1e6:.0f} |")
     if ttft:
-        out += ["", "TTFT at low load (ms, p50 [p10-p90]; one 2-turn conversation at a time, 4 output "
-                "tokens):", "", "| system | n | turn 1 | turn 2 |", "|---|---|---|---|"]
+        out += ["", f"TTFT (ms, p50 [p10-p90]; {setup.describe()}):", "",
+                "| system | n | turn 1 | turn 2 |", "|---|---|---|---|"]
         for system, (first, follow) in ttft.items():
             def q(xs: list[float]) -> str:
                 d = statistics.quantiles(xs, n=10)
                 return f"{statistics.median(xs):.2f} [{d[0]:.2f}-{d[8]:.2f}]"
             out.append(f"| {system} | {len(first)} | {q(first)} | {q(follow)} |")
+        out += callout_added(ttft)
     return "\n".join(out)
 
 
@@ -533,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"runs out of CPU first; systems {','.join(MOCKER_SYSTEMS)} only, no TTFT)")
     parser.add_argument("--ttft-conversations", type=int, default=40,
                         help="low-load TTFT samples per system (0: skip)")
+    parser.add_argument("--ttft-first-words", type=int, default=FIRST_TURN[0],
+                        help="fresh words in the TTFT test's first turns (100000: a ~100K-token prompt)")
+    parser.add_argument("--ttft-concurrency", type=int, default=1,
+                        help="TTFT test conversations in flight at a time (1: one after another)")
+    parser.add_argument("--no-load", action="store_true",
+                        help="skip the CPU-per-token runs (--rate, --duration, --repeats): TTFT only")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the tables to this file")
     args = parser.parse_args(argv)
@@ -549,11 +607,15 @@ def main(argv: list[str] | None = None) -> int:
                      "in its own process); drop it or use --router-replicas 1")
     if args.repeats < 1 or args.duration <= 0 or args.worker_speedup <= 0:
         parser.error("--repeats must be >= 1, --duration and --worker-speedup > 0")
+    if args.ttft_first_words < 1 or args.ttft_concurrency < 1:
+        parser.error("--ttft-first-words and --ttft-concurrency must be >= 1")
+    setup = TtftSetup(args.ttft_conversations, args.ttft_first_words, args.ttft_concurrency,
+                      args.worker_speedup)
     runs: list[Run] = []
     ttft: dict[str, tuple[list[float], list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="ppd-relay-") as tmp:
         work = Path(tmp)
-        for rate in args.rate:
+        for rate in [] if args.no_load else args.rate:
             # Repeats outermost: each round runs every system once, back to back, so systems
             # compared within a round saw the same background load on the machine.
             for repeat in range(args.repeats):
@@ -572,8 +634,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.ttft_conversations:
             for system in systems:
                 sys.stderr.write(f"{system}: TTFT at low load ...\n")
-                ttft[system] = measure_ttft(system, args.ttft_conversations, work, "ttft")
-    table = render(runs, ttft)
+                ttft[system] = measure_ttft(system, setup, work, "ttft")
+    table = render(runs, ttft, setup)
     print(table)
     load = os.getloadavg()
     if args.markdown:
