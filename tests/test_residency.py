@@ -217,21 +217,30 @@ def test_without_recovery_live_events_are_the_only_source():
     """--no-residency-recovery: no Dynamo indexer is made (`start` does not import one), the KV
     events are still subscribed, and a gap asks for no rebuild (the view keeps what events said)."""
 
-    class FakeNats:
-        def __init__(self):
-            self.subjects: list[str] = []
+    class FakeEvents:  # `KvEventThread`'s signature
+        made: list[FakeEvents] = []
 
-        async def subscribe(self, subject, cb):
-            self.subjects.append(subject)
+        def __init__(self, url, subjects, apply, on_reconnect):
+            self.url, self.subjects = url, subjects
+            FakeEvents.made.append(self)
+
+        def start(self):
+            pass
+
+        def stop(self):
+            pass
 
     async def scenario():
-        residency, metrics, nats = Residency(32), RouterMetrics(), FakeNats()
+        residency, metrics = Residency(32), RouterMetrics()
         sync = KvSync(None, residency, metrics, "workers", {"prefill": "prefill", "decode": "backend"},
-                      {"decode": FakeClient([7])}, busy=lambda w: False, recovery=False)
-        await sync.start(nats)
+                      {"decode": FakeClient([7])}, busy=lambda w: False, recovery=False,
+                      event_source=FakeEvents)
+        await sync.start("nats://127.0.0.1:4222")
         assert sync._sources == {}
-        assert sorted(nats.subjects) == sorted(f"namespace.workers.component.{c}.endpoint.generate.kv-events"
-                                               for c in ("prefill", "backend"))
+        [events] = FakeEvents.made
+        assert events.url == "nats://127.0.0.1:4222"
+        assert sorted(events.subjects) == sorted(
+            f"namespace.workers.component.{c}.endpoint.generate.kv-events" for c in ("prefill", "backend"))
         residency.apply(7, stored(0, 0, 2))
         residency.apply(7, stored(5, 3, 5, parent=1002))  # a gap: events 1-4 lost
         sync._drain()

@@ -1,6 +1,9 @@
 """Keeps the residency index true: the I/O around the pure `Residency`.
 
-- Live events: the workers' KV events over NATS, applied as they come.
+- Live events: the workers' KV events over NATS, applied as they come, on a thread of their own
+  (`kv_events.KvEventThread`) so that they never queue in front of a request on the router's
+  loop. The index is changed there and here (rebuilds, forgotten workers) under `KvSync.lock`;
+  a request's reads take no lock (each is a dict lookup, atomic under the GIL).
 - Rebuilds: a worker's view is rebuilt from the worker's own state when this router starts, when
   NATS reconnects, when the worker's event ids jump, when it stores a block under a parent the index
   never saw (an orphan), and when it appears in discovery. Workers that leave discovery are
@@ -30,10 +33,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from .kv_events import KvEventThread
 from .metrics import RouterMetrics
 from .residency import Residency, kv_events_subject
 
@@ -84,7 +89,8 @@ class SilenceWatch:
 class KvSync:
     def __init__(self, runtime, residency: Residency, metrics: RouterMetrics, namespace: str,
                  components: dict[str, str], clients: dict[str, Any], busy: Callable[[int], bool],
-                 poll_s: float = POLL_S, silent_after_s: float = SILENT_AFTER_S, recovery: bool = True):
+                 poll_s: float = POLL_S, silent_after_s: float = SILENT_AFTER_S, recovery: bool = True,
+                 event_source: Callable[..., Any] = KvEventThread):
         self.runtime = runtime
         self.residency = residency
         self.metrics = metrics
@@ -105,9 +111,16 @@ class KvSync:
         self._counted = (0, 0)  # residency.orphans, residency.gaps already in the metrics
         self._tasks: list[asyncio.Task] = []
         self._first_poll = True
+        self.lock = threading.Lock()  # the residency index's writers: the event thread and this loop
+        self._events: Any = None  # the KvEventThread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_asked = False  # a `_drain` is scheduled on the loop and has not run yet
+        self._event_source = event_source  # `KvEventThread`'s signature (tests pass a stand-in)
 
-    async def start(self, nats_client) -> None:
+    async def start(self, nats_url: str) -> None:
         from dynamo._core import KvRouter, KvRouterConfig
+
+        self._loop = asyncio.get_running_loop()
 
         block_size = self.residency.block_size
         if not self.recovery:
@@ -123,8 +136,10 @@ class KvSync:
             except Exception as exc:  # noqa: BLE001 (recovery off is said, routing goes on)
                 log.warning("no worker-local indexer recovery for %s.%s (%s): residency there is "
                             "only what events say after this router started", self.namespace, component, exc)
-        for component in self.components.values():
-            await nats_client.subscribe(kv_events_subject(self.namespace, component), cb=self._on_kv_event)
+        self._events = self._event_source(
+            nats_url, [kv_events_subject(self.namespace, c) for c in self.components.values()],
+            self._on_kv_event, self._reconnected_elsewhere)
+        await asyncio.to_thread(self._events.start)
         self._tasks.append(asyncio.get_running_loop().create_task(self._poll_loop()))
 
     async def settled(self, timeout_s: float = 10.0) -> bool:
@@ -143,6 +158,8 @@ class KvSync:
         return False
 
     async def stop(self) -> None:
+        if self._events is not None:
+            await asyncio.to_thread(self._events.stop)
         for task in [*self._tasks, *self._pending.values()]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._pending.values(), return_exceptions=True)
@@ -156,21 +173,50 @@ class KvSync:
             self.request(worker, "nats_reconnect")
 
     # -- live events -----------------------------------------------------------------------------
-    async def _on_kv_event(self, msg) -> None:
+    def _on_kv_event(self, data: bytes) -> None:
+        """One NATS message, on the event thread: applied under the lock; the loop is told only
+        when the index asks for a rebuild or counted a gap or an orphan."""
+        with self.lock:
+            applied = self.residency.apply_envelope(data)
+            news = (bool(self.residency.resync_requests)
+                    or (self.residency.orphans, self.residency.gaps) != self._counted)
+        self.metrics.kv_events.inc(applied)
+        if news:
+            self._on_loop(self._drain)
+
+    def _on_loop(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the router's loop (from the event thread), once per burst."""
+        if self._loop is None or self._drain_asked:
+            return
+        self._drain_asked = True
+
+        def run() -> None:
+            self._drain_asked = False
+            callback()
+
         try:
-            self.metrics.kv_events.inc(self.residency.apply_envelope(msg.data))
-        except Exception:  # noqa: BLE001 (one bad message must not stop the subscription)
-            log.exception("could not apply a KV event message")
-        self._drain()
+            self._loop.call_soon_threadsafe(run)
+        except RuntimeError:  # the loop is closed: the router is stopping
+            pass
+
+    def _reconnected_elsewhere(self) -> None:
+        """The event thread's NATS connection came back (on the event thread)."""
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self.reconnected)
+            except RuntimeError:
+                pass
 
     def _drain(self) -> None:
-        orphans, gaps = self.residency.orphans, self.residency.gaps
+        with self.lock:
+            orphans, gaps = self.residency.orphans, self.residency.gaps
+            requests = self.residency.take_resync_requests()
         if orphans > self._counted[0]:
             self.metrics.residency_orphans.inc(orphans - self._counted[0])
         if gaps > self._counted[1]:
             self.metrics.residency_gaps.inc(gaps - self._counted[1])
         self._counted = (orphans, gaps)
-        for worker, reason in self.residency.take_resync_requests().items():
+        for worker, reason in requests.items():
             self.request(worker, reason)
 
     # -- rebuilds --------------------------------------------------------------------------------
@@ -200,12 +246,14 @@ class KvSync:
             for attempt, delay in enumerate(delays):
                 # Events from now on are replayed over the dump; those before are the dump's to
                 # tell (what the trigger says we may have missed happened before it).
-                since = self.residency.mark()
+                with self.lock:
+                    since = self.residency.mark()
                 await asyncio.sleep(delay)
                 dump = await self._dump_for(worker)
                 if dump is None:
                     return  # no source for it (recovery off, said at start)
-                left = self.residency.replace_worker(worker, dump, since)
+                with self.lock:
+                    left = self.residency.replace_worker(worker, dump, since)
                 if attempt == 0:
                     self.metrics.residency_resyncs.labels(reason).inc()
                     log.info("rebuilt the residency of worker %x from its local indexer (%s): %d "
@@ -292,7 +340,8 @@ class KvSync:
         task = self._pending.pop(worker, None)
         if task is not None:
             task.cancel()
-        self.residency.forget_worker(worker)
+        with self.lock:
+            self.residency.forget_worker(worker)
         self.silence.forget(worker)
         self._component_of.pop(worker, None)
         self._unknown.discard(worker)

@@ -132,7 +132,7 @@ class Routing:
             self.clients[role] = await self.runtime.endpoint(f"{ns}.{component}.generate").client()
 
         # Residency: live KV events, and rebuilds from the workers themselves (kv_sync).
-        kv_sync = self.kv_sync = KvSync(self.runtime, self.residency, self.metrics, ns, components,
+        self.kv_sync = KvSync(self.runtime, self.residency, self.metrics, ns, components,
                                         self.clients, busy=self._serving,
                                         silent_after_s=cfg.kv_silent_after_s,
                                         recovery=cfg.residency_recovery)
@@ -141,13 +141,12 @@ class Routing:
             self.metrics.nats_up.set(0)
 
         async def nats_up() -> None:
-            self.metrics.nats_up.set(1)
-            kv_sync.reconnected()
+            self.metrics.nats_up.set(1)  # (the KV events' own connection triggers the rebuilds)
 
         self._nats = await nats.connect(cfg.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=1,
                                         disconnected_cb=nats_down, reconnected_cb=nats_up)
         self.metrics.nats_up.set(1)
-        await self.kv_sync.start(self._nats)
+        await self.kv_sync.start(cfg.nats_url)
         if not cfg.load_reports:
             log.info("--no-load-reports: routing by this router's own counts only")
         for component in components.values() if cfg.load_reports else ():
