@@ -47,7 +47,11 @@ class FakeEpp(external_processor_pb2_grpc.ExternalProcessorServicer):
     new_body: bytes | None = None
     immediate: pb.ImmediateResponse | None = None
     hang: bool = False
+    # How long it takes to answer a response_headers message (the gateway sends it in
+    # observability mode and reads no answer it waits for); None: no answer at all.
+    response_answer_after_s: float | None = 0.0
     streams: list[list[pb.ProcessingRequest]] = field(default_factory=list)
+    ended: int = 0  # streams the gateway closed (their request iterator ran out)
     server: grpc.aio.Server | None = None
     port: int = 0
 
@@ -76,6 +80,11 @@ class FakeEpp(external_processor_pb2_grpc.ExternalProcessorServicer):
                 yield pb.ProcessingResponse(immediate_response=self.immediate)
                 return
             kind = message.WhichOneof("request")
+            if kind == "response_headers":
+                if self.response_answer_after_s is not None:
+                    await asyncio.sleep(self.response_answer_after_s)
+                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+                continue
             if kind == "request_headers" and (message.request_headers.end_of_stream or not full_duplex):
                 yield self._headers_answer(None)
             elif kind == "request_body":
@@ -94,6 +103,7 @@ class FakeEpp(external_processor_pb2_grpc.ExternalProcessorServicer):
                     common = pb.CommonResponse(body_mutation=pb.BodyMutation(body=self.new_body)) \
                         if self.new_body is not None else pb.CommonResponse()
                     yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+        self.ended += 1
 
     async def start(self, port: int = 0) -> FakeEpp:
         self.server = grpc.aio.server()
@@ -112,6 +122,17 @@ class FakeEpp(external_processor_pb2_grpc.ExternalProcessorServicer):
 
     def headers_seen(self, stream: int = -1) -> list[tuple[str, bytes]]:
         return [(h.key, h.raw_value) for h in self.streams[stream][0].request_headers.headers.headers]
+
+    def kinds(self, stream: int = -1) -> list[str | None]:
+        return [m.WhichOneof("request") for m in self.streams[stream]]
+
+    async def wait_ended(self, streams: int = 1, timeout_s: float = 5.0) -> None:
+        """Until the gateway closed this many streams (the response phase runs after the client
+        has its answer, so a test that reads a whole stream waits for its end)."""
+        deadline = time.monotonic() + timeout_s
+        while self.ended < streams:
+            assert time.monotonic() < deadline, f"{self.ended} of {streams} ext_proc streams ended"
+            await asyncio.sleep(0.01)
 
 
 class FakeUpstream:
@@ -219,16 +240,17 @@ async def test_full_duplex_sends_what_envoy_sends_and_forwards_the_mutated_reque
     async with await _gateway(upstream, epp.address) as gw, httpx.AsyncClient(base_url=gw.url) as client:
         r = await client.post("/v1/chat/completions", json=BODY, headers={
             "x-dynamo-worker-instance-id": "7", "x-remove-me": "1", "X-Custom": "Kept"})
+        await epp.wait_ended()
     assert r.status_code == 200
     stream = epp.streams[0]
-    assert [m.WhichOneof("request") for m in stream] == ["request_headers", "request_body", "request_body"]
+    assert epp.kinds() == ["request_headers", "request_body", "request_body", "response_headers"]
     assert stream[0].protocol_config.request_body_mode == FULL_DUPLEX
-    assert not stream[0].request_headers.end_of_stream and stream[-1].request_body.end_of_stream
+    assert not stream[0].request_headers.end_of_stream and stream[2].request_body.end_of_stream
     seen = dict(epp.headers_seen())
     assert seen[":method"] == b"POST" and seen[":path"] == b"/v1/chat/completions"
     assert seen[":authority"] == f"127.0.0.1:{gw.port}".encode() and seen[":scheme"] == b"http"
     assert seen["x-custom"] == b"Kept" and all(k == k.lower() for k in seen)
-    assert json.loads(b"".join(m.request_body.body for m in stream[1:])) == BODY
+    assert json.loads(b"".join(m.request_body.body for m in stream[1:3])) == BODY
     got = upstream.requests[0]
     assert _values(got, "x-dynamo-worker-instance-id") == ["9"]  # overwritten, not appended
     assert _values(got, "x-remove-me") == [] and _values(got, "x-custom") == ["Kept"]
@@ -250,9 +272,10 @@ async def test_buffered_mode_sends_the_body_after_the_headers_answer(upstream, e
     async with await _gateway(upstream, epp.address, body_mode="buffered") as gw, \
             httpx.AsyncClient(base_url=gw.url) as client:
         r = await client.post("/v1/completions", content=chunked())
+        await epp.wait_ended()
     assert r.status_code == 200
     stream = epp.streams[0]
-    assert [m.WhichOneof("request") for m in stream] == ["request_headers", "request_body"]
+    assert epp.kinds() == ["request_headers", "request_body", "response_headers"]
     assert stream[0].protocol_config.request_body_mode == processing_mode_pb2.ProcessingMode.BUFFERED
     assert stream[1].request_body.body == b'{"model": "m"}' and stream[1].request_body.end_of_stream
     got = upstream.requests[0]
@@ -350,9 +373,80 @@ async def test_a_request_without_body_is_routed_on_its_headers(upstream, epp):
     epp.set_headers = {"x-routed": "yes"}
     async with await _gateway(upstream, epp.address) as gw, httpx.AsyncClient(base_url=gw.url) as client:
         assert (await client.get("/v1/models")).status_code == 200
-    assert len(epp.streams[0]) == 1 and epp.streams[0][0].request_headers.end_of_stream
+        await epp.wait_ended()
+    assert epp.kinds() == ["request_headers", "response_headers"]
+    assert epp.streams[0][0].request_headers.end_of_stream
     assert _values(upstream.requests[0], "x-routed") == ["yes"]
     assert _values(upstream.requests[0], "content-length") == []
+
+
+def _response_headers(epp: FakeEpp, stream: int = -1) -> pb.HttpHeaders:
+    (message,) = [m for m in epp.streams[stream] if m.HasField("response_headers")]
+    assert message.observability_mode  # sent, not waited for
+    return message.response_headers
+
+
+def _header_dict(headers: pb.HttpHeaders) -> dict[str, bytes]:
+    return {h.key: h.raw_value for h in headers.headers.headers}
+
+
+async def test_the_upstreams_status_goes_to_the_picker_on_the_same_stream_after_the_request(upstream, epp):
+    epp.set_headers = {DEST: upstream.address}
+    async with await _gateway(upstream, epp.address) as gw, httpx.AsyncClient(base_url=gw.url) as client:
+        r = await client.post("/v1/chat/completions", json={"model": "m"})
+        await epp.wait_ended()  # the gateway half-closed it and the picker ended it
+    assert r.status_code == 200
+    assert epp.kinds() == ["request_headers", "request_body", "response_headers"]
+    sent = _response_headers(epp)
+    fields = [h.key for h in sent.headers.headers]
+    assert fields[0] == ":status" and _header_dict(sent)[":status"] == b"200"
+    assert _header_dict(sent)["content-type"] == b"application/json"
+    assert "connection" not in fields and "transfer-encoding" not in fields  # this hop's, not Envoy's
+    assert not sent.end_of_stream  # a body follows
+    assert len(epp.streams) == 1 and len(upstream.requests) == 1
+
+
+async def test_the_client_does_not_wait_for_the_pickers_answer_to_the_response_headers(upstream, epp):
+    epp.set_headers = {DEST: upstream.address}
+    epp.response_answer_after_s = 2.0
+    gw = await _gateway(upstream, epp.address)
+    try:
+        async with httpx.AsyncClient(base_url=gw.url) as client:
+            started = time.monotonic()
+            r = await client.post("/v1/chat/completions", json={"model": "m"})
+            took = time.monotonic() - started
+            assert r.status_code == 200 and took < 1.0, f"the client waited {took:.2f} s"
+            deadline = time.monotonic() + 5
+            while not any(m.HasField("response_headers") for m in epp.streams[0]):
+                assert time.monotonic() < deadline, "no response_headers reached the picker"
+                await asyncio.sleep(0.01)
+            assert epp.ended == 0  # the picker is still sitting on its answer
+    finally:
+        started = time.monotonic()
+        await gw.stop()  # the stream waiting on the picker's late answer is cancelled, not awaited
+        assert time.monotonic() - started < 1.0
+    assert _header_dict(_response_headers(epp))[":status"] == b"200"
+
+
+async def test_the_gateways_own_502_goes_to_the_picker_as_the_status(upstream, epp):
+    epp.set_headers = {DEST: f"127.0.0.1:{free_port()}"}  # routed to an endpoint nobody listens on
+    async with await _gateway(upstream, epp.address) as gw, httpx.AsyncClient(base_url=gw.url) as client:
+        r = await client.post("/v1/chat/completions", json={"model": "m"})
+        await epp.wait_ended()
+    assert r.status_code == 502 and upstream.requests == []
+    assert _header_dict(_response_headers(epp))[":status"] == b"502"
+
+
+async def test_no_response_headers_with_the_response_phase_off(upstream, epp):
+    epp.set_headers = {DEST: upstream.address}
+    async with await _gateway(upstream, epp.address, response_headers=False) as gw, \
+            httpx.AsyncClient(base_url=gw.url) as client:
+        r = await client.post("/v1/chat/completions", json={"model": "m"})
+        assert (await client.get("/v1/models")).status_code == 200
+        await epp.wait_ended(2)
+    assert r.status_code == 200
+    assert [epp.kinds(0), epp.kinds(1)] == [["request_headers", "request_body"], ["request_headers"]]
+    assert "response headers" not in gw.describe()
 
 
 async def test_a_pooled_connection_the_upstream_closed_is_replaced():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -213,7 +214,76 @@ def test_full_duplex_messages_are_headers_then_64k_body_chunks():
     no_body = extproc.request_messages([], b"", "full-duplex")
     assert len(no_body) == 1 and no_body[0].request_headers.end_of_stream
     mode = extproc.processing_mode("full-duplex")
-    assert (mode.request_trailer_mode, mode.response_header_mode) == (Mode.SEND, Mode.SKIP)
+    assert (mode.request_trailer_mode, mode.response_header_mode) == (Mode.SEND, Mode.SEND)
+    assert (mode.response_body_mode, mode.response_trailer_mode) == (Mode.NONE, Mode.SKIP)
+    assert extproc.processing_mode("full-duplex", response_headers=False).response_header_mode == Mode.SKIP
+
+
+def test_response_headers_carry_the_status_first_and_no_hop_fields():
+    message = extproc.response_headers_message(
+        503, [("Content-Type", "application/json"), ("transfer-encoding", "chunked"),
+              ("connection", "keep-alive"), ("x-request-id", "r1")], end_of_stream=False)
+    assert message.WhichOneof("request") == "response_headers" and message.observability_mode
+    sent = [(h.key, h.raw_value) for h in message.response_headers.headers.headers]
+    assert sent == [(":status", b"503"), ("content-type", b"application/json"), ("x-request-id", b"r1")]
+    assert not message.response_headers.end_of_stream
+    assert extproc.response_headers_message(204, [], end_of_stream=True).response_headers.end_of_stream
+
+
+class _Call:
+    """A grpc.aio stream-stream call stand-in: records what the gateway does with it; its answers
+    come from ``answers`` (EOF after them), or never when ``hang``."""
+
+    def __init__(self, answers=(), hang: bool = False):
+        self.written: list[pb.ProcessingRequest] = []
+        self.half_closed = self.cancelled = False
+        self.answers = list(answers)
+        self.hang = hang
+
+    async def write(self, message) -> None:
+        self.written.append(message)
+
+    async def done_writing(self) -> None:
+        self.half_closed = True
+
+    async def read(self):
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.answers:
+            return self.answers.pop(0)
+        return grpc.aio.EOF
+
+    async def code(self):
+        return None
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def test_the_response_phase_reports_once_then_closes_and_never_waits(monkeypatch):
+    async def run():
+        closing: set[asyncio.Task] = set()
+        answered = _Call([pb.ProcessingResponse(response_headers=pb.HeadersResponse())])
+        phase = extproc.ResponsePhase(answered, closing)
+        phase.report(500, [("content-type", "application/json")], end_of_stream=False)
+        phase.report(200, [], end_of_stream=False)  # only the first status goes out
+        phase.close()
+        assert len(closing) == 1 and answered.written == []  # nothing done before the caller yields
+        await asyncio.gather(*closing)
+        assert [m.WhichOneof("request") for m in answered.written] == ["response_headers"]
+        assert answered.half_closed and answered.answers == [] and answered.cancelled
+        quiet = _Call()
+        extproc.ResponsePhase(quiet, closing).close()  # no status (cancelled): closed all the same
+        await asyncio.gather(*closing)
+        assert quiet.written == [] and quiet.half_closed and quiet.cancelled
+        monkeypatch.setattr(extproc, "CLOSE_GRACE_S", 0.05)
+        stuck = _Call(hang=True)  # a picker that never ends the stream: cancelled after the grace
+        extproc.ResponsePhase(stuck, closing).report(502, [], end_of_stream=False)
+        await asyncio.wait_for(asyncio.gather(*closing), 1.0)
+        assert stuck.cancelled and len(stuck.written) == 1 and not closing
+
+    asyncio.run(run())
 
 
 def test_answers_in_gaie_order_build_the_forwarded_request():
@@ -278,6 +348,9 @@ def test_a_bad_flag_exits_2_with_one_line(argv, words, capsys):
 
 def test_defaults_and_flags_give_a_valid_config():
     assert args.parse_args([]) == args.GatewayConfig().validate()
+    assert args.parse_args([]).response_headers
+    assert not args.parse_args(["--no-response-headers"]).response_headers
+    assert "--no-response-headers" in args.build_parser().format_help()
     config = args.parse_args(["--port", "0", "--picker", "127.0.0.1:9002, 127.0.0.1:9003", "--body-mode",
                               "buffered", "--picker-timeout-ms", "250", "--metrics-port", "9100"])
     assert config.pickers == ("127.0.0.1:9002", "127.0.0.1:9003") and config.picker_timeout_s == 0.25

@@ -196,6 +196,35 @@ def test_response_messages_pass_through_unchanged():
     assert streamed.body == b"data: x\n\n" and streamed.end_of_stream
 
 
+def _response_headers(status: bytes) -> pb.ProcessingRequest:
+    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=status),
+                                          base_pb2.HeaderValue(key="content-type", raw_value=b"text/plain")])
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=headers), observability_mode=True)
+
+
+def test_the_response_status_of_a_routed_stream_reaches_the_picker():
+    route = route_headers(Route.VIA_PREFILL, 42)
+    picker = FakePicker(Pick("h:1", route.set, route.remove, None))
+    replies, _ = _process(picker, [*_messages(BODY), _response_headers(b"503")])
+    assert picker.statuses == [503]
+    # Sent in observability mode: no answer (Envoy reads none); otherwise answered, unchanged.
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body"]
+    answered = _response_headers(b"200")
+    answered.observability_mode = False
+    replies, _ = _process(picker, [*_messages(BODY), answered])
+    assert picker.statuses == [503, 200]
+    kinds = [r.WhichOneof("response") for r in replies]
+    assert kinds == ["request_headers", "request_body", "response_headers"]
+    # Nothing routed on the stream (a refusal, a request without a body): nothing to report.
+    refused = FakePicker(Refusal(400, "too long", "too_large"))
+    _process(refused, [*_messages(BODY), _response_headers(b"400")])
+    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/models")])
+    unrouted = FakePicker(Pick("h:1", route.set, route.remove, None))
+    get = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=headers, end_of_stream=True))
+    _process(unrouted, [get, _response_headers(b"500")])
+    assert refused.statuses == [] and unrouted.statuses == []
+
+
 def test_routes_become_a_prefill_pin_or_no_pin_and_client_pins_are_dropped():
     via = route_headers(Route.VIA_PREFILL, 7)
     assert via.set == {ROUTE_HEADER: "via_prefill", PREFILL_PIN: "7"}

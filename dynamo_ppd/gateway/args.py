@@ -42,6 +42,10 @@ class GatewayConfig:
     picker_timeout_ms: float = 1000.0  # per awaited ext_proc message, as Envoy's message_timeout
     body_mode: str = "full-duplex"  # the request body's ext_proc mode: full-duplex or buffered
     metrics_port: int | None = None  # Prometheus /metrics on this port when set
+    # Tell the picker each routed response's status (ext_proc response headers, observability
+    # mode: never waited for): a 5xx for a turn pinned to a prefill worker that is gone makes the
+    # picker leave that worker out at once instead of when Dynamo's discovery drops it.
+    response_headers: bool = True
     # How long a picker that failed is left out before it is tried again (a restarted replica is
     # back in use after this), like an outlier ejection; not a flag, tests shorten it.
     picker_retry_after_s: float = 5.0
@@ -144,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the request body is sent to the picker: full-duplex "
                    "(FULL_DUPLEX_STREAMED, what the Inference Extension configures) or buffered "
                    "(BUFFERED: one message, after the picker answered the headers)")
+    p.add_argument("--response-headers", action=argparse.BooleanOptionalAction,
+                   default=GatewayConfig.response_headers,
+                   help="after forwarding a routed request, send the picker the response's status and "
+                   "headers on the same ext_proc stream (response_header_mode SEND, without waiting "
+                   "for an answer, as Envoy's observability mode), so that a 5xx for a turn pinned to "
+                   "a prefill worker that is gone takes that worker out of the picker's plans at once")
     p.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics (ppd_gateway_*) on this port; none: no metrics server")
     return p
@@ -154,7 +164,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     a = parser.parse_args(argv)
     config = GatewayConfig(host=a.host, port=a.port, upstream=a.upstream, pickers=tuple(a.picker or ()),
                            picker_timeout_ms=a.picker_timeout_ms, body_mode=a.body_mode,
-                           metrics_port=a.metrics_port)
+                           metrics_port=a.metrics_port, response_headers=a.response_headers)
     try:
         return config.validate()
     except ValueError as exc:

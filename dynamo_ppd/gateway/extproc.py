@@ -1,8 +1,10 @@
 """The gateway's ext_proc client: it plays Envoy's ext_proc HTTP filter
 (envoy.filters.http.ext_proc, source/extensions/filters/http/ext_proc/ext_proc.cc) toward an
-endpoint picker, configured as the Gateway API Inference Extension configures it: processing
-mode request_header_mode SEND, request_body_mode FULL_DUPLEX_STREAMED (or BUFFERED),
-request_trailer_mode SEND, response_header_mode SKIP, response_body_mode NONE.
+endpoint picker, configured as the Gateway API Inference Extension configures it on the request
+path: processing mode request_header_mode SEND, request_body_mode FULL_DUPLEX_STREAMED (or
+BUFFERED), request_trailer_mode SEND; on the response path response_header_mode SEND in
+observability mode (``observability_mode: true``: sent, never waited for) and response_body_mode
+NONE. With ``--no-response-headers`` response_header_mode is SKIP.
 
 Per request, one `Process` stream:
 
@@ -21,6 +23,21 @@ Per request, one `Process` stream:
    ``streamed_response`` pieces up to ``end_of_stream``; in buffered mode a ``body`` replacement,
    ``clear_body``, or no mutation (the body stays). ``dynamic_metadata`` on any answer is merged.
    An ``immediate_response`` at any point ends the exchange: it is the client's answer.
+4. The response phase (`ResponsePhase`): the stream stays open while the request is forwarded.
+   When the upstream's status line and headers arrive, before any of the body goes to the
+   client, one ``response_headers`` HttpHeaders goes out: ``:status`` first, then the response's
+   headers minus this hop's connection fields, ``end_of_stream`` when no body follows, and
+   ``observability_mode`` set. When the gateway answers itself because the upstream failed
+   (502), that status goes out the same way. Why: the picker learns at once that a turn failed
+   (Dynamo's frontend answers 5xx to a turn pinned to a prefill worker that is gone), which
+   Dynamo's discovery tells it only some 20 s later; meanwhile it would pin more turns there.
+   The message is written in the background, as Envoy does in observability mode: the client's
+   response waits for nothing; the picker's answer, if any, is read and discarded. Then the
+   stream is half-closed and closed once the picker ends it, or cancelled after
+   `CLOSE_GRACE_S` (Envoy's ``deferred_close_timeout``, 5 s by default). A failure there is
+   logged at debug and changes nothing for the client. GAIE's gateways (kgateway, Istio) send
+   response headers too, but wait for the answer (no observability mode) and stream the
+   response body through the picker as well (deploy/README.md); the picker needs the status only.
 
 Each awaited answer has ``--picker-timeout-ms`` (Envoy's ``message_timeout``). A gRPC error, a
 timeout, or a stream that ends early raise `PickerError`; `PickerPool` then tries the next
@@ -28,13 +45,12 @@ replica and in the end fails open (GAIE's ``failureMode: FailOpen``). Note that 
 not fail open in FULL_DUPLEX_STREAMED once body data went out (`Filter::failureModeAllow`); this
 gateway does, as the Inference Extension's FailOpen setting promises.
 """
-
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +60,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
 from .headers import apply_header_mutation, merge_metadata, to_header_map
-from .http import Headers
+from .http import HOP_BY_HOP, Headers
 
 log = logging.getLogger("dynamo_ppd.gateway")
 
@@ -55,7 +71,9 @@ BODY_CHUNK = 64 << 10
 # reconnect backoff (up to two minutes).
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
-CLOSE_GRACE_S = 5.0  # how long a finished stream may take to close before it is cancelled
+# How long a finished stream may take to close before it is cancelled (Envoy's
+# deferred_close_timeout for observability mode, 5 s by default).
+CLOSE_GRACE_S = 5.0
 
 
 class PickerError(Exception):
@@ -80,12 +98,17 @@ class CalloutResult:
     immediate: Immediate | None = None
     seconds: float = 0.0  # first message sent -> last answer needed before forwarding
     picker: str = ""
+    # The stream, kept open for the response's status (module doc, step 4); None when the
+    # response phase is off. Its owner reports the status once or closes it: one of the two.
+    response: ResponsePhase | None = None
 
 
-def processing_mode(body_mode: str) -> processing_mode_pb2.ProcessingMode:
-    """The filter's ProcessingMode as the Inference Extension sets it (for reference and tests;
-    the stream itself only carries the body modes, in protocol_config)."""
-    return Mode(request_header_mode=Mode.SEND, response_header_mode=Mode.SKIP,
+def processing_mode(body_mode: str, response_headers: bool = True) -> processing_mode_pb2.ProcessingMode:
+    """The filter's ProcessingMode this gateway plays (for reference and tests; the stream itself
+    only carries the body modes, in protocol_config): the request path as the Inference Extension
+    sets it, response headers SEND (in observability mode) unless ``response_headers`` is off."""
+    return Mode(request_header_mode=Mode.SEND,
+                response_header_mode=Mode.SEND if response_headers else Mode.SKIP,
                 request_body_mode=BODY_MODES[body_mode], response_body_mode=Mode.NONE,
                 request_trailer_mode=Mode.SEND, response_trailer_mode=Mode.SKIP)
 
@@ -104,6 +127,17 @@ def request_messages(headers: Headers, body: bytes, body_mode: str,
     last = len(pieces) - 1
     return [first, *(pb.ProcessingRequest(request_body=pb.HttpBody(body=p, end_of_stream=i == last))
                      for i, p in enumerate(pieces))]
+
+
+def response_headers_message(status: int, headers: Headers, end_of_stream: bool) -> pb.ProcessingRequest:
+    """What Envoy's filter sends when the upstream's response headers arrive: ``:status`` first,
+    then the response's headers lower-cased minus this hop's connection fields (Envoy's HTTP/1
+    codec keeps none of them in the header map), flagged as sent in observability mode (the
+    picker need not answer)."""
+    fields = [(":status", str(status)), *((k.lower(), v) for k, v in headers if k.lower() not in HOP_BY_HOP)]
+    return pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(headers=to_header_map(fields), end_of_stream=end_of_stream),
+        observability_mode=True)
 
 
 def immediate_from(response: pb.ImmediateResponse) -> Immediate:
@@ -178,9 +212,12 @@ async def _write_all(call: Any, messages: Sequence[pb.ProcessingRequest]) -> Non
 
 
 async def process(stub: external_processor_pb2_grpc.ExternalProcessorStub, headers: Headers, body: bytes,
-                  body_mode: str, timeout_s: float, closing: set[asyncio.Task] | None = None
-                  ) -> CalloutResult:
-    """One ext_proc exchange for one request (module doc); raises PickerError."""
+                  body_mode: str, timeout_s: float, closing: set[asyncio.Task] | None = None,
+                  keep_open: bool = False) -> CalloutResult:
+    """One ext_proc exchange for one request (module doc); raises PickerError. ``closing``: where
+    the tasks that close finished streams are kept (without it a finished stream is cancelled at
+    once); ``keep_open``: a routed request's stream stays open for the response phase
+    (`CalloutResult.response`)."""
     messages = request_messages(headers, body, body_mode)
     exchange = _Exchange(headers, body)
     call = stub.Process()
@@ -211,24 +248,68 @@ async def process(stub: external_processor_pb2_grpc.ExternalProcessorStub, heade
             writer.cancel()
         if writer is not None:
             await asyncio.gather(writer, return_exceptions=True)
-        if done and closing is not None:
+        if done and closing is not None and keep_open:
+            exchange.result.response = ResponsePhase(call, closing)
+        elif done and closing is not None:
             # Half-close as Envoy does when processing is over, and let the picker end the
             # stream in its own time; cancel it if it does not.
-            task = asyncio.ensure_future(_close(call))
-            closing.add(task)
-            task.add_done_callback(closing.discard)
+            _in_background(_finish(call), closing)
         else:
             call.cancel()
 
 
-async def _close(call: Any) -> None:
-    try:
+def _in_background(coro: Coroutine[Any, Any, None], closing: set[asyncio.Task]) -> None:
+    """Run ``coro`` as a task kept in ``closing`` until it is done (`PickerPool.close` cancels it)."""
+    task = asyncio.ensure_future(coro)
+    closing.add(task)
+    task.add_done_callback(closing.discard)
+
+
+async def _finish(call: Any, last: pb.ProcessingRequest | None = None) -> None:
+    """Write ``last`` (if any), half-close, read and discard whatever the picker still answers
+    until it ends the stream; cancel the stream when that takes over `CLOSE_GRACE_S` or fails.
+    Never raises: the client's request is over or goes on without this."""
+
+    async def steps() -> None:
+        if last is not None:
+            await call.write(last)
         await call.done_writing()
-        await asyncio.wait_for(call.code(), CLOSE_GRACE_S)
-    except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
-        pass
+        while await call.read() is not grpc.aio.EOF:
+            pass  # an answer to the response phase: observability mode ignores it
+        await call.code()
+
+    try:
+        await asyncio.wait_for(steps(), CLOSE_GRACE_S)
+    except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError,
+            asyncio.InvalidStateError) as exc:
+        log.debug("ext_proc stream closed uncleanly: %s", str(exc) or type(exc).__name__)
     finally:
         call.cancel()
+
+
+class ResponsePhase:
+    """A routed request's ext_proc stream after the request phase (module doc, step 4): `report`
+    sends the response's status and closes the stream, `close` closes it without one; the first
+    call does it, later ones do nothing. Neither waits: the work runs in a task of the pool's
+    ``closing`` set, which `PickerPool.close` cancels."""
+
+    def __init__(self, call: Any, closing: set[asyncio.Task]):
+        self._call = call
+        self._closing = closing
+        self.finished = False
+
+    def report(self, status: int, headers: Headers, end_of_stream: bool) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        _in_background(_finish(self._call, response_headers_message(status, headers, end_of_stream)),
+                       self._closing)
+
+    def close(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        _in_background(_finish(self._call), self._closing)
 
 
 class PickerPool:
@@ -238,9 +319,10 @@ class PickerPool:
     answering: `callout` returns None and the caller fails open."""
 
     def __init__(self, addresses: Sequence[str], body_mode: str, timeout_s: float, retry_after_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, response_headers: bool = False):
         self.addresses = list(addresses)
         self.body_mode = body_mode
+        self.response_headers = response_headers  # keep each routed stream open for its status
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self.clock = clock
@@ -270,7 +352,7 @@ class PickerPool:
         for address in self.order():
             try:
                 result = await process(self._stub(address), headers, body, self.body_mode, self.timeout_s,
-                                       self._closing)
+                                       self._closing, keep_open=self.response_headers)
             except PickerError as exc:
                 log.warning("picker %s failed (%s): left out for %g s", address, exc, self.retry_after_s)
                 self._down_until[address] = self.clock() + self.retry_after_s

@@ -11,7 +11,10 @@ Per request, as an Envoy Gateway with the Inference Extension's ext_proc filter 
    --upstream (GAIE ``failureMode: FailOpen``). Without pickers: no callout at all.
 3. The destination: ``x-gateway-destination-endpoint`` after mutation, else the ``envoy.lb``
    dynamic metadata, else --upstream (`headers.destination`).
-4. Forward with a Content-Length for the (maybe replaced) body; relay the answer.
+4. Forward with a Content-Length for the (maybe replaced) body; relay the answer. A routed
+   request's ext_proc stream is still open (unless --no-response-headers): the answer's status
+   and headers go to the picker as they arrive, not waited for (`extproc.ResponsePhase`), and
+   the stream is closed however the forwarding ends.
 
 Client connections are kept alive between requests (HTTP/1.1 rules). `Gateway` is the in-process
 API (`start`/`stop`/`port`); `serve` runs one until SIGTERM or SIGINT.
@@ -27,7 +30,7 @@ import uuid
 from contextlib import suppress
 
 from .args import GatewayConfig
-from .extproc import PickerPool
+from .extproc import PickerPool, ResponsePhase
 from .headers import destination, envoy_headers, upstream_request_parts
 from .http import (
     MAX_HEAD_BYTES,
@@ -56,7 +59,8 @@ class Gateway:
         self.config = config.validate()
         self.metrics = metrics or GatewayMetrics()
         self.pickers = (PickerPool(config.pickers, config.body_mode, config.picker_timeout_s,
-                                   config.picker_retry_after_s) if config.pickers else None)
+                                   config.picker_retry_after_s, response_headers=config.response_headers)
+                        if config.pickers else None)
         self.upstreams = UpstreamPool(config.upstream_connect_timeout_s, config.max_idle_per_upstream)
         self.metrics_port: int | None = None
         self._server: asyncio.Server | None = None
@@ -77,8 +81,9 @@ class Gateway:
 
     def describe(self) -> str:
         pickers = ",".join(self.config.pickers) if self.config.pickers else "none (pass-through)"
+        response = ", response headers" if self.config.pickers and self.config.response_headers else ""
         text = (f"gateway on {self.url} -> upstream {self.config.upstream}, picker {pickers} "
-                f"(mode {self.config.body_mode}, timeout {self.config.picker_timeout_ms:g} ms)")
+                f"(mode {self.config.body_mode}{response}, timeout {self.config.picker_timeout_ms:g} ms)")
         if self.metrics_port is not None:
             text += f", metrics on :{self.metrics_port}"
         return text
@@ -164,6 +169,7 @@ class Gateway:
         close = not head.keep_alive
         headers = envoy_headers(head, str(uuid.uuid4()))
         outcome, endpoint = "passthrough", self.config.upstream
+        response: ResponsePhase | None = None
         if self.pickers is not None:
             result = await self.pickers.callout(headers, body)
             if result is None:
@@ -182,9 +188,15 @@ class Gateway:
                     return "immediate", not close
                 outcome, headers, body = "routed", result.headers, result.body
                 endpoint = destination(headers, result.metadata) or self.config.upstream
-        method, target, upstream_headers = upstream_request_parts(headers)
-        forwarded, keep = await self.upstreams.forward(endpoint, method, target, upstream_headers, body,
-                                                       client, close)
+                response = result.response
+        try:
+            method, target, upstream_headers = upstream_request_parts(headers)
+            forwarded, keep = await self.upstreams.forward(
+                endpoint, method, target, upstream_headers, body, client, close,
+                on_response=response.report if response is not None else None)
+        finally:
+            if response is not None:
+                response.close()  # no status came (cancelled, an error): close the stream anyway
         if forwarded == "bad_gateway":
             self.metrics.upstream_errors.inc()
         return (outcome if forwarded == "ok" else forwarded), keep

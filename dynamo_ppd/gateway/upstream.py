@@ -4,7 +4,11 @@ one request at a time on each, and the response relayed to the client as it arri
 A pooled connection the upstream closed while idle shows up only when it is used; a request that
 fails on a reused connection before any response byte came back is sent once more on a fresh
 connection (what a client cannot tell from a connection that was new). An upstream that cannot be
-reached, or fails before answering, gets the client a 502 with an OpenAI-style JSON error."""
+reached, or fails before answering, gets the client a 502 with an OpenAI-style JSON error.
+
+The status the client gets is told to ``on_response`` as soon as it is known, before any of the
+body goes out: the upstream's status line and headers, or the gateway's own 502 (the ext_proc
+response phase, `extproc.ResponsePhase`)."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import asyncio
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .args import parse_endpoint
@@ -26,6 +31,10 @@ from .http import (
 )
 
 log = logging.getLogger("dynamo_ppd.gateway")
+
+# Told the response's status, headers and whether no body follows; must not block.
+OnResponse = Callable[[int, Headers, bool], None]
+BAD_GATEWAY_HEADERS: Headers = [("content-type", "application/json")]
 
 
 @dataclass
@@ -43,7 +52,17 @@ class Connection:
 
 def bad_gateway(message: str, close: bool) -> bytes:
     body = json.dumps({"error": {"message": message, "type": "bad_gateway", "code": 502}}).encode()
-    return simple_response(502, [("content-type", "application/json")], body, close)
+    return simple_response(502, BAD_GATEWAY_HEADERS, body, close)
+
+
+def _tell(on_response: OnResponse | None, status: int, headers: Headers, end_of_stream: bool) -> None:
+    """Tell ``on_response`` the status; a failure there is logged, never the client's problem."""
+    if on_response is None:
+        return
+    try:
+        on_response(status, headers, end_of_stream)
+    except Exception as exc:  # noqa: BLE001 (observing the response must not break it)
+        log.debug("response status not reported: %s", str(exc) or type(exc).__name__)
 
 
 class UpstreamPool:
@@ -74,10 +93,11 @@ class UpstreamPool:
         return Connection(reader, writer)
 
     async def forward(self, endpoint: str, method: str, target: str, headers: Headers, body: bytes,
-                      client: asyncio.StreamWriter, close_client: bool) -> tuple[str, bool]:
+                      client: asyncio.StreamWriter, close_client: bool,
+                      on_response: OnResponse | None = None) -> tuple[str, bool]:
         """Send the request to ``endpoint`` and relay its response to ``client``. Returns the
         outcome (``ok``, ``bad_gateway``, ``client_gone``) and whether the client connection stays
-        open."""
+        open. ``on_response`` learns the status first (module doc)."""
         payload = encode_request(method, target, headers, body)
         while True:
             conn = self._take_idle(endpoint)
@@ -87,7 +107,7 @@ class UpstreamPool:
                     conn = await self._connect(endpoint)
                 except (OSError, ValueError, asyncio.TimeoutError) as exc:
                     reason = f"upstream {endpoint} unreachable: {str(exc) or type(exc).__name__}"
-                    return await self._fail(client, reason, close_client)
+                    return await self._fail(client, reason, close_client, on_response)
             try:
                 conn.writer.write(payload)
                 await conn.writer.drain()
@@ -98,9 +118,11 @@ class UpstreamPool:
                 if reused:
                     continue  # the idle connection was dead: the upstream never saw the request
                 reason = str(exc) or type(exc).__name__
-                return await self._fail(client, f"upstream {endpoint} failed: {reason}", close_client)
+                return await self._fail(client, f"upstream {endpoint} failed: {reason}", close_client,
+                                        on_response)
 
         framing = head.body_framing(method)
+        _tell(on_response, head.status, head.headers, framing == "none")
         keep_client = not close_client and framing != "close"
         try:
             client.write(client_response_head(head, close=not keep_client))
@@ -121,8 +143,10 @@ class UpstreamPool:
             self._give_back(endpoint, conn)
         return "ok", keep_client
 
-    async def _fail(self, client: asyncio.StreamWriter, message: str, close_client: bool) -> tuple[str, bool]:
+    async def _fail(self, client: asyncio.StreamWriter, message: str, close_client: bool,
+                    on_response: OnResponse | None = None) -> tuple[str, bool]:
         log.warning("%s", message)
+        _tell(on_response, 502, BAD_GATEWAY_HEADERS, False)
         try:
             client.write(bad_gateway(message, close_client))
             await client.drain()

@@ -168,7 +168,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 # what discovery does not yet (a pinned prefill worker that is gone).
                 if picked:
                     self.picker.answered(picked[0], response_status(message.response_headers))
-                yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+                if not message.observability_mode:  # in observability mode Envoy reads no answer
+                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
             elif kind == "response_body":  # passed through unchanged, as GAIE's EPP does
                 chunk = message.response_body
                 mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(

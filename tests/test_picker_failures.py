@@ -1,0 +1,74 @@
+"""The endpoint picker learning of failures from the gateway, in process: the status the gateway
+reports for a routed request (ext_proc response headers) reaches `Picker.answered`, and a 5xx for a
+turn pinned to a prefill worker leaves that worker out of plans at once (`Routing.instances`),
+without waiting for Dynamo's discovery to drop it. The gateway side and a killed prefill worker
+end to end: tests/test_gateway.py and tests/test_picker_failures_e2e.py."""
+
+from __future__ import annotations
+
+import pytest
+from test_router_dispatch import FakeClient
+
+from dynamo_ppd.picker.picker import Pick, Picker
+from dynamo_ppd.policy.decision import Decision, Route
+from dynamo_ppd.router import routing as routing_module
+from dynamo_ppd.router.args import parse_args
+from dynamo_ppd.router.metrics import RouterMetrics
+from dynamo_ppd.router.routing import Routing, Turn
+from dynamo_ppd.router.service import build_policy
+
+pytestmark = pytest.mark.unit
+
+P1, P2, D1, D2 = 1, 2, 11, 12
+
+
+def _picker() -> Picker:
+    """A picker over an unstarted routing state: two prefill and two decode workers listed."""
+    config = parse_args(["--mode", "ppd"])
+    routing = Routing(None, config, build_policy(config), RouterMetrics(),
+                      clients={"prefill": FakeClient([P1, P2], "prefill"),
+                               "decode": FakeClient([D1, D2], "decode")})
+    return Picker(routing, tokenizer=None, frontends=["127.0.0.1:8001"])  # type: ignore[arg-type]
+
+
+def _pick(route: Route, prefill: int | None, decode: int = D1) -> Pick:
+    turn = Turn("s", 1, 300, [], None, decision=Decision(route, "test"), prefill=prefill, decode=decode)
+    return Pick("127.0.0.1:8001", {}, (), None, turn)
+
+
+def _prefill_failed(picker: Picker) -> float:
+    """ppd_request_errors_total{kind="prefill_failed"}."""
+    return sum(s.value for s in picker.routing.metrics.errors.collect()[0].samples
+               if s.name.endswith("_total") and s.labels["kind"] == "prefill_failed")
+
+
+def test_a_5xx_for_a_via_prefill_turn_leaves_its_prefill_worker_out_at_once():
+    picker = _picker()
+    routing = picker.routing
+    assert routing.instances("prefill") == [P1, P2]
+    picker.answered(_pick(Route.VIA_PREFILL, P1), 503)
+    assert routing.instances("prefill") == [P2]  # while discovery still lists P1
+    assert routing.instances("decode") == [D1, D2]  # the decode worker was not to blame
+    assert _prefill_failed(picker) == 1
+    picker.answered(_pick(Route.VIA_PREFILL, P2), 500)
+    # Every prefill worker failed lately: all are tried again rather than none.
+    assert routing.instances("prefill") == [P1, P2] and _prefill_failed(picker) == 2
+
+
+def test_success_a_client_error_or_a_decode_local_turn_marks_nothing():
+    picker = _picker()
+    picker.answered(_pick(Route.VIA_PREFILL, P1), 200)
+    picker.answered(_pick(Route.VIA_PREFILL, P1), 400)  # the request's fault, not the worker's
+    picker.answered(_pick(Route.VIA_PREFILL, P1), None)  # no :status in the message
+    picker.answered(_pick(Route.DECODE_LOCAL, None), 503)  # no prefill worker on its path
+    picker.answered(Pick("127.0.0.1:8001", {}, (), None), 503)  # not planned (no body: unrouted)
+    assert picker.routing.instances("prefill") == [P1, P2]
+    assert _prefill_failed(picker) == 0
+
+
+def test_a_worker_marked_unreachable_is_back_once_the_period_is_over(monkeypatch):
+    picker = _picker()
+    picker.answered(_pick(Route.VIA_PREFILL, P2), 502)
+    assert picker.routing.instances("prefill") == [P1]
+    monkeypatch.setattr(routing_module, "UNREACHABLE_S", -1.0)  # the 30 s are over
+    assert picker.routing.instances("prefill") == [P1, P2]
