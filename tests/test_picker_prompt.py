@@ -804,3 +804,25 @@ def test_the_encode_cache_keeps_the_least_recently_used_pieces(tiny_tokenizer, m
         assert prompts.encode(text) == tiny_tokenizer.encode(text, add_special_tokens=False).ids
     # a, b; a from the cache; c drops b; b again drops a; a again.
     assert recording.encoded == ["a", "b", "c", "b", "a"]
+
+
+@pytest.mark.unit
+def test_the_encode_cache_keeps_many_conversations_and_is_bounded_by_ids(model_dir, monkeypatch):
+    """A follow-up of any of thousands of conversations in flight finds its history cached
+    (4-byte ids, not Python ints); past the ids bound the least recently used pieces go."""
+    from dynamo_ppd.picker import prompt as prompt_module
+
+    prompts = PromptTokenizer.from_model_dir(model_dir)
+    rng = random.Random(3)
+    histories = [" ".join(f"w{rng.randrange(5000)}" for _ in range(40)) for _ in range(9000)]
+    ids = [prompts.encode(text) for text in histories]
+    assert len(prompts._cache) >= 9000  # the old 8,192-piece bound would have dropped some
+    assert all(type(v).__name__ == "array" for v in prompts._cache.values())
+    encoded: list[str] = []
+    real = prompts._encode_batch
+    monkeypatch.setattr(prompts, "_encode_batch", lambda texts: encoded.extend(texts) or real(texts))
+    assert [prompts.encode(text) for text in histories[:100]] == ids[:100]
+    assert encoded == []  # every one from the cache, none encoded again
+    monkeypatch.setattr(prompt_module, "ENCODE_CACHE_IDS", 2000)
+    prompts.encode("one more message to cache")
+    assert prompts._cache_ids <= 2000 and len(prompts._cache) < 100

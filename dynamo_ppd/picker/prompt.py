@@ -34,8 +34,9 @@ from __future__ import annotations
 import json
 import re
 import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,8 +55,13 @@ CONTINUE_FINAL_MESSAGE_NOT_FOUND = ("Unable to continue the final message becaus
 
 # `PromptTokenizer.encode`'s cache of the ids of the text between added tokens: at most this
 # many pieces (whole messages, mostly) and this many ids in all, least recently used dropped first.
-ENCODE_CACHE_PIECES = 8192
-ENCODE_CACHE_IDS = 1 << 21  # ~2M ids: ~75 MB of Python ints at most
+# A follow-up finds its history here and encodes only its new messages; once the conversations in
+# flight hold more than the cache, every follow-up encodes its whole history again (at 8,192
+# pieces, 256 conversations of ~48 messages did: 0.36 -> 2.9 ms a pick, docs/bench/picker-path.md).
+# So the bound is the ids, kept as 4-byte arrays: 8M ids are 32 MB (plus their text as keys),
+# the histories of ~4,000 conversations of 2K tokens.
+ENCODE_CACHE_PIECES = 1 << 18
+ENCODE_CACHE_IDS = 1 << 23
 
 # The Rust message structs' fields, in serialization order (dynamo-protocols, observed in 1.6.1).
 _ROLE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -365,7 +371,7 @@ def _trie_pattern(words: list[str]) -> str:
     return pattern(trie)
 
 
-def _join(pieces: list[str], known: Mapping[str, list[int]], added: Mapping[str, int]) -> list[int]:
+def _join(pieces: list[str], known: Mapping[str, Sequence[int]], added: Mapping[str, int]) -> list[int]:
     """The ids of ``pieces`` (text, added token, text, ..., text, as ``re.split`` gives them)."""
     ids: list[int] = []
     for k, piece in enumerate(pieces):
@@ -405,7 +411,7 @@ class PromptTokenizer:
             self._split = None
         # Whether `encode` works piece by piece (else it encodes whole texts, uncached).
         self.piecewise = self._split is not None
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()  # least recently used first
+        self._cache: OrderedDict[str, array[int]] = OrderedDict()  # least recently used first
         self._cache_ids = 0
         self._cache_lock = threading.Lock()
 
@@ -511,9 +517,9 @@ class PromptTokenizer:
             return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
         return [self.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
 
-    def _piece_ids(self, pieces: list[str]) -> dict[str, list[int]]:
+    def _piece_ids(self, pieces: list[str]) -> dict[str, Sequence[int]]:
         """The ids of each non-empty piece: cached, or encoded (one batch) and then cached."""
-        known: dict[str, list[int]] = {}
+        known: dict[str, Sequence[int]] = {}
         cache = self._cache
         with self._cache_lock:
             for piece in pieces:
@@ -524,11 +530,11 @@ class PromptTokenizer:
         if missing:
             encoded = self._encode_batch(missing)
             with self._cache_lock:
-                for piece, ids in zip(missing, encoded, strict=True):
-                    known[piece] = ids
+                for piece, fresh in zip(missing, encoded, strict=True):
+                    known[piece] = fresh
                     if piece not in cache:  # (another thread may have just added it)
-                        cache[piece] = ids
-                        self._cache_ids += len(ids)
+                        cache[piece] = array("I", fresh)  # 4 bytes an id, not a 28-byte int object
+                        self._cache_ids += len(fresh)
                 while cache and (len(cache) > ENCODE_CACHE_PIECES or self._cache_ids > ENCODE_CACHE_IDS):
                     self._cache_ids -= len(cache.popitem(last=False)[1])
         return known

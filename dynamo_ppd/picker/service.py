@@ -4,6 +4,7 @@ state, the prompt tokenizer, the ext_proc gRPC server with gRPC health, metrics.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 
@@ -50,6 +51,11 @@ async def serve(configs: tuple[RouterConfig, PickerConfig]) -> None:
         log.warning("the workers' residency was not rebuilt within 10 s of start; serving anyway "
                     "(follow-ups go through prefill until their decode workers' KV events arrive)")
 
+    # What start-up made (the tokenizer, the tables, the sessions loaded from etcd) lives as long
+    # as the process: out of the collector's way, so a full collection walks only what requests
+    # make since (a pause there is a pick's tail latency).
+    gc.collect()
+    gc.freeze()
     health_servicer = health.aio.HealthServicer()
     servers = []
     for port, ext_proc in ((picker_config.grpc_port, True), (picker_config.health_port, False)):
