@@ -80,3 +80,7 @@ bench-relay *args:
 # CPU the PPD router's own state costs: per conversation's session work, per KV-event message.
 bench-router-state *args:
     uv run python -m dynamo_ppd.bench.router_state {{args}}
+
+# The endpoint picker's request path alone, per stage and rate (see `dynamo-ppd bench picker --help`).
+bench-picker *args:
+    uv run dynamo-ppd bench picker {{args}}

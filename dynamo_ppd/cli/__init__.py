@@ -158,11 +158,21 @@ def _add_router(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    from ..bench import compare
+    from ..bench import compare, picker_path
 
-    compare.add_arguments(sub.add_parser(
-        "bench", help="multi-turn benchmark: compare systems side by side, or measure an endpoint",
-        description=compare.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    bench = sub.add_parser(
+        "bench", help="multi-turn benchmark: compare systems side by side, or measure an endpoint; "
+        "the endpoint picker's request path alone (bench picker)",
+        description=compare.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    compare.add_arguments(bench)
+    # `bench picker` sits beside compare's own subcommands (compare, run, versus, resimulate):
+    # one more choice on the subparsers that compare.add_arguments made.
+    commands = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    commands.metavar = "{compare,run,versus,resimulate,picker}"
+    picker_path.add_arguments(commands.add_parser(
+        "picker", help="the endpoint picker's request path alone: ext_proc straight to the picker of a "
+        "live ppd graph, per stage, at fixed rates", description=picker_path.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -310,9 +320,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return table_cli.main(args)
         if args.command == "bench":
-            from ..bench import compare
+            from ..bench import compare, picker_path
 
-            return compare.main(args)
+            return picker_path.main(args) if args.bench_command == "picker" else compare.main(args)
         if args.command == "ctl":
             return _ctl(args)
         if args.command == "chaos":
