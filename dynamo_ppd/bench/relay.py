@@ -511,10 +511,10 @@ def thread_breakdown(runs: list[Run]) -> list[str]:
 def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]],
            setup: TtftSetup = TtftSetup()) -> str:
     """Markdown: CPU per relayed token per process, saturation rate, replicas, low-load TTFT."""
+    if not runs:  # --no-load: the TTFT test alone
+        return "\n".join(ttft_table(ttft, setup)).lstrip("\n")
     out = [f"Load: `{WORKLOAD}` (turn 1 512 -> 128 tokens, turn 2 +32 -> 512), Poisson arrivals. "
            "CPU us per relayed token, mean [min-max] over repeats; tokens counted from the client.", ""]
-    if not runs:
-        out = []
     if any(r.workers == "mocker" for r in runs):
         out[-1:-1] = ["Workers: Dynamo's mocker, 3 aggregated (the speedup column is its --speedup-ratio); "
                       "the PPD router in `--mode replica`."]
@@ -553,16 +553,22 @@ def render(runs: list[Run], ttft: dict[str, tuple[list[float], list[float]]],
             for label, tokens in sorted(run.per_replica_tokens.items()):
                 out.append(f"| {run.system} x{run.replicas} @ {run.rate:g} #{n + 1} | {label} | "
                            f"{tokens:,.0f} | {tokens / total:.1%} | {run.cpu_s[label] / tokens * 1e6:.0f} |")
-    if ttft:
-        out += ["", f"TTFT (ms, p50 [p10-p90]; {setup.describe()}):", "",
-                "| system | n | turn 1 | turn 2 |", "|---|---|---|---|"]
-        for system, (first, follow) in ttft.items():
-            def q(xs: list[float]) -> str:
-                d = statistics.quantiles(xs, n=10)
-                return f"{statistics.median(xs):.2f} [{d[0]:.2f}-{d[8]:.2f}]"
-            out.append(f"| {system} | {len(first)} | {q(first)} | {q(follow)} |")
-        out += callout_added(ttft)
+    out += ttft_table(ttft, setup)
     return "\n".join(out)
+
+
+def ttft_table(ttft: dict[str, tuple[list[float], list[float]]], setup: TtftSetup) -> list[str]:
+    """The TTFT test's markdown: each system's p50 [p10-p90], then what the picker adds."""
+    if not ttft:
+        return []
+    out = ["", f"TTFT (ms, p50 [p10-p90]; {setup.describe()}):", "",
+           "| system | n | turn 1 | turn 2 |", "|---|---|---|---|"]
+    for system, (first, follow) in ttft.items():
+        def q(xs: list[float]) -> str:
+            d = statistics.quantiles(xs, n=10)
+            return f"{statistics.median(xs):.2f} [{d[0]:.2f}-{d[8]:.2f}]"
+        out.append(f"| {system} | {len(first)} | {q(first)} | {q(follow)} |")
+    return out + callout_added(ttft)
 
 
 def main(argv: list[str] | None = None) -> int:
