@@ -293,3 +293,42 @@ def test_refusals_carry_their_status_and_count_their_kind():
     errors = {s.labels["kind"]: s.value for s in routing.metrics.errors.collect()[0].samples
               if s.name.endswith("_total")}
     assert errors == {"no_workers": 1.0, "too_large": 1.0, "bad_request": 2.0}
+
+
+class _Prompts:
+    """`PromptTokenizer.tokenized_text` alone (what `Picker._body_to_send` asks of it)."""
+
+    from dynamo_ppd.picker.prompt import PromptTokenizer as _Real
+
+    tokenized_text = staticmethod(_Real.tokenized_text)
+
+
+@pytest.mark.parametrize(("body", "path", "expected"), [
+    # No nvext: spliced in before the closing brace, the client's bytes otherwise as they were.
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}  ', "/v1/chat/completions",
+     {"model": "m", "messages": [{"role": "user", "content": "hi"}], "nvext": {"token_data": [5, 6]}}),
+    # The client's own nvext keeps its other fields; an explicit null becomes the ids' object.
+    (b'{"messages": [], "nvext": {"ignore_eos": true}}', "/v1/chat/completions",
+     {"messages": [], "nvext": {"ignore_eos": True, "token_data": [5, 6]}}),
+    (b'{"messages": [], "nvext": null}', "/v1/chat/completions",
+     {"messages": [], "nvext": {"token_data": [5, 6]}}),
+    # A client's routing pins go, whatever else happens.
+    (b'{"messages": [], "nvext": {"backend_instance_id": 7}}', "/v1/chat/completions",
+     {"messages": [], "nvext": {"token_data": [5, 6]}}),
+    # A prompt of ids, or ids the client sent itself: nothing to add.
+    (b'{"prompt": [5, 6]}', "/v1/completions", None),
+    (b'{"messages": [], "nvext": {"token_data": [5, 6]}}', "/v1/chat/completions", None),
+    (b'{"prompt": "hi"}', "/v1/completions", {"prompt": "hi", "nvext": {"token_data": [5, 6]}}),
+])
+def test_the_forwarded_body_carries_the_token_ids(body, path, expected):
+    from dynamo_ppd.picker.picker import Picker
+
+    picker = Picker.__new__(Picker)  # only the body rewrite
+    picker.tokenizer, picker.send_token_ids = _Prompts(), True  # type: ignore[assignment]
+    forwarded = picker._body_to_send(body, json.loads(body), [5, 6], path)
+    assert (json.loads(forwarded) if forwarded is not None else None) == expected
+    if expected is not None and b"nvext" not in body:
+        assert forwarded.startswith(body.rstrip()[:-1])  # spliced: the client's bytes kept
+    picker.send_token_ids = False  # --no-token-ids: the client's body, less its pins
+    kept = picker._body_to_send(body, json.loads(body), [5, 6], path)
+    assert kept is None or "token_data" not in json.loads(kept).get("nvext", {})

@@ -180,8 +180,8 @@ class Picker:
         carries_ids = isinstance(nvext, dict) and "token_data" in nvext
         if not self.send_token_ids or carries_ids or not self.tokenizer.tokenized_text(request, path):
             return msgspec.json.encode(request) if pinned else None
-        if pinned or nvext is not None:
-            request.setdefault("nvext", {})["token_data"] = tokens
+        if pinned or "nvext" in request:  # (an explicit null too: a second key would be refused)
+            request["nvext"] = {**(nvext or {}), "token_data": tokens}
             return msgspec.json.encode(request)
         # No nvext in the body: splice it in before the object's closing brace rather than encode
         # the whole request again (a 100K-token prompt is ~400 KB of text).
