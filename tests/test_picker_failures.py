@@ -72,3 +72,49 @@ def test_a_worker_marked_unreachable_is_back_once_the_period_is_over(monkeypatch
     assert picker.routing.instances("prefill") == [P1]
     monkeypatch.setattr(routing_module, "UNREACHABLE_S", -1.0)  # the 30 s are over
     assert picker.routing.instances("prefill") == [P1, P2]
+
+
+def _plan(routing: Routing, bound: int | None, placed: int, route: Route = Route.VIA_PREFILL) -> Turn:
+    """What `plan_turn` does after the planner chose ``placed``, for a session bound to ``bound``."""
+    from dynamo_ppd.router.sessions import SessionRecord
+
+    record = None if bound is None else SessionRecord("s", decode_worker=D1, prefill_worker=bound, turn=1)
+    turn = Turn("s", 2, 300, [], None, decision=Decision(route, "test"), prefill=placed, decode=D1)
+    routing._keep_bound_prefill(turn, record, routing.instances("prefill"))
+    return turn
+
+
+def test_a_session_keeps_the_prefill_worker_the_frontend_bound_it_to():
+    """Dynamo's frontend (soft session affinity) refuses, with HTTP 400, a turn of a session
+    pinned to another prefill worker than the one it bound the session to (seen in chaos
+    prefill-kill on 2P2D: "session ... is bound to worker A, not B"). Behind it a session's turns
+    via prefill go to its bound worker while that one is live and reachable; once it has failed,
+    elsewhere, naming no session; and the record keeps the binding."""
+    picker = _picker()
+    routing = picker.routing
+    kept = _plan(routing, bound=P1, placed=P2)
+    assert kept.prefill == P1 and not kept.unbound
+    first = _plan(routing, bound=None, placed=P2)  # a first turn: placement's choice binds
+    assert first.prefill == P2 and not first.unbound
+    local = _plan(routing, bound=P1, placed=P2, route=Route.DECODE_LOCAL)
+    assert local.prefill == P2 and not local.unbound  # no pin on a decode-local turn
+    assert routing._record(local, [1] * 40, []).prefill_worker == P1  # the binding stays
+    assert routing._record(kept, [1] * 40, []).prefill_worker == P1
+    picker.answered(_pick(Route.VIA_PREFILL, P1), 503)  # P1 is gone
+    moved = _plan(routing, bound=P1, placed=P2)
+    assert moved.prefill == P2 and moved.unbound
+    assert routing._record(moved, [1] * 40, []).prefill_worker == P1
+    from dynamo_ppd.picker.route import SESSION_HEADER, route_headers
+
+    assert SESSION_HEADER not in route_headers(moved.decision.route, moved.prefill,
+                                               None if moved.unbound else moved.session_id).set
+
+
+def test_the_relay_router_records_the_prefill_worker_it_used():
+    config = parse_args(["--mode", "ppd"])
+    routing = Routing(None, config, build_policy(config), RouterMetrics(),
+                      clients={"prefill": FakeClient([P1, P2], "prefill"),
+                               "decode": FakeClient([D1], "decode")})
+    turn = Turn("s", 2, 300, [], None, decision=Decision(Route.DECODE_LOCAL, "test"), prefill=P2, decode=D1)
+    assert not routing.prefill_bound_downstream
+    assert routing._record(turn, [1] * 40, []).prefill_worker == P2  # as before: not the picker's rule

@@ -104,6 +104,7 @@ class Picker:
         self.send_token_ids = send_token_ids  # `_body_to_send`
         self.frontends = frontends if isinstance(frontends, Frontends) else Frontends(frontends)
         routing.decode_chosen_downstream = True
+        routing.prefill_bound_downstream = True
 
     def frontend(self, subset: Sequence[str] | None = None) -> str:
         """The frontend a request goes to (round robin; one of ``subset`` when the gateway names
@@ -160,7 +161,8 @@ class Picker:
         except InvalidArgument as exc:  # a session id over the limit (`sessions.check_session_id`)
             errors.labels("bad_request").inc()
             raise Refusal(400, str(exc), "bad_request") from None
-        route = route_headers(turn.decision.route, turn.prefill, turn.session_id)
+        # An unbound turn names no session: the frontend may still bind it to a dead prefill worker.
+        route = route_headers(turn.decision.route, turn.prefill, None if turn.unbound else turn.session_id)
         self._charge(turn, max_tokens)
         self.routing.record_routed(turn, tokens)
         new_body = self._body_to_send(body, request, tokens, path)

@@ -121,6 +121,12 @@ class Routing:
         # worker of a turn it does not pin, so a session's home is where its history is
         # (`planner.served_home`), whatever decode worker the plan that placed it named.
         self.decode_chosen_downstream = False
+        # True behind an endpoint picker too: the frontend's session affinity binds a session to
+        # the prefill worker of its first turn via prefill and refuses (HTTP 400, "session X is
+        # bound to worker A, not B") a later turn of it pinned to another prefill worker. So a
+        # session keeps its prefill worker while that one is live and reachable
+        # (`_keep_bound_prefill`).
+        self.prefill_bound_downstream = False
 
     async def start(self) -> None:
         import nats
@@ -213,6 +219,8 @@ class Routing:
         plan = Turn(session_id=session_id, turn=turn, prompt_tokens=len(tokens), local_hashes=local_hashes,
                      chained=residency_chain, decision=decided.decision, prefill=decided.prefill,
                      decode=decided.decode)
+        if self.prefill_bound_downstream:
+            self._keep_bound_prefill(plan, record, cluster.prefill)
         decision = decided.decision
         if decided.residency_miss:
             self.metrics.residency_misses.inc()
@@ -240,6 +248,22 @@ class Routing:
                        route=decision.route.value, reason=decision.reason, score=decision.score,
                        rehome=decided.rehome, local=decision.local, via_prefill=decision.via_prefill)
         return plan
+
+    @staticmethod
+    def _keep_bound_prefill(plan: Turn, record: SessionRecord | None, live_prefill: Sequence[int]) -> None:
+        """Behind a frontend that binds a session to its prefill worker (`prefill_bound_downstream`):
+        a turn via prefill goes to the session's bound worker when that one is live and reachable
+        (the placement's choice otherwise only when the session has none yet). When the bound
+        worker is gone or has just failed, the turn goes where placement put it, `unbound`: the
+        frontend may still hold the binding to the dead worker, so the shell does not name the
+        session on this turn (the frontend would refuse the pin)."""
+        plan.bound_prefill = record.prefill_worker if record is not None else None
+        if plan.decision.route is not Route.VIA_PREFILL or plan.bound_prefill is None:
+            return
+        if plan.bound_prefill in live_prefill:
+            plan.prefill = plan.bound_prefill
+        elif plan.prefill != plan.bound_prefill:
+            plan.unbound = True
 
     def _cluster(self, chain: list[int], prefill: Sequence[int] = (), decode: Sequence[int] = (),
                  replica: Sequence[int] = ()) -> planner.WorkersView:
@@ -374,8 +398,11 @@ class Routing:
         else:
             chain = plan.chained  # the prompt's own prefix ids, computed when it was planned
         history_hash, digest = history_hashes(chain, history, bs)
+        prefill = plan.prefill
+        if self.prefill_bound_downstream and (plan.decision.route is not Route.VIA_PREFILL or plan.unbound):
+            prefill = plan.bound_prefill  # the frontend's binding did not change
         return SessionRecord(session_id=plan.session_id, decode_worker=plan.decode,
-                             prefill_worker=plan.prefill, turn=plan.turn, context_tokens=len(history),
+                             prefill_worker=prefill, turn=plan.turn, context_tokens=len(history),
                              history_hash=history_hash, history_digest=digest, last_access=time.time())
 
 
@@ -395,3 +422,5 @@ class Turn:
     unclaimed: SessionRecord | None = None  # a new session to claim once a request is sent
     claim: asyncio.Task | None = None  # that claim, under way; settled before decode
     decode_ids: list[int] = field(default_factory=list)
+    bound_prefill: int | None = None  # the session's prefill worker before this turn (`_keep_bound_prefill`)
+    unbound: bool = False  # via a prefill worker other than the session's, which is gone
