@@ -34,7 +34,7 @@ from dynamo_ppd.bench.picker_path_report import (
     sustained_rate,
 )
 from dynamo_ppd.cli import build_parser
-from dynamo_ppd.picker.picker import STAGES
+from dynamo_ppd.picker.stages import STAGES
 
 CHAT = "/v1/chat/completions"
 

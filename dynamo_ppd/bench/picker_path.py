@@ -3,7 +3,7 @@
 
 What is measured: how long the PPD endpoint picker takes to route one request, from its first
 ext_proc message in to the route out (``path``), split into the picker's stages (body, parse,
-template, tokenize, hashes, plan, record, answer: `picker.picker.STAGES`); the round trip a gRPC
+template, tokenize, hashes, plan, record, answer: `picker.stages.STAGES`); the round trip a gRPC
 client sees for the same exchange (round trip - path = "grpc": both gRPC ends and the loopback
 transport); and the picker process's CPU per pick. Per kind of request and per request rate.
 

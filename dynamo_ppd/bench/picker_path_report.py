@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from ..picker.picker import STAGES
+from ..picker.stages import STAGES
 from . import plots
 from .stats import Interval, bootstrap
 

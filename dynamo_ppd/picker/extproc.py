@@ -31,7 +31,8 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from .metrics import PickerMetrics
-from .picker import Pick, Picker, Refusal, StageClock
+from .picker import Pick, Picker, Refusal
+from .stages import StageClock
 
 log = logging.getLogger("dynamo_ppd.picker")
 
@@ -115,7 +116,7 @@ def response_status(headers: pb.HttpHeaders) -> int | None:
 def timing_metadata(reply: pb.ProcessingResponse, clock: StageClock) -> None:
     """Add the picker's own time for this request to the reply's dynamic metadata, namespace
     `TIMING_NAMESPACE`: microseconds from the first ext_proc message in to the route out
-    (``path_us``) and per stage (`picker.STAGES`), for the request-path benchmark and for a
+    (``path_us``) and per stage (`stages.STAGES`), for the request-path benchmark and for a
     gateway's access log (Envoy merges dynamic metadata into the request's)."""
     fields = {"path_us": round(clock.total * 1e6, 1)}
     fields.update({f"{stage}_us": round(seconds * 1e6, 1) for stage, seconds in clock.stages.items()})

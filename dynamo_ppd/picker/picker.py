@@ -32,6 +32,7 @@ from ..router.routing import Routing, Turn
 from .frontends import Frontends
 from .prompt import PromptError, PromptTokenizer
 from .route import SESSION_HEADER, route_headers, without_client_pins
+from .stages import StageClock
 
 log = logging.getLogger("dynamo_ppd.picker")
 
@@ -52,34 +53,6 @@ class Refusal(Exception):
         error_type = "invalid_request_error" if self.status < 500 else "service_unavailable"
         return json.dumps({"error": {"message": str(self), "type": error_type,
                                      "code": self.status}}).encode()
-
-
-class StageClock:
-    """Where one request's time in the picker goes: seconds per stage, each stage the time since
-    the previous lap (`STAGES` in path order). Started at the stream's first ext_proc message."""
-
-    __slots__ = ("started", "stages", "_last")
-
-    def __init__(self, started: float | None = None):
-        self.started = time.perf_counter() if started is None else started
-        self._last = self.started
-        self.stages: dict[str, float] = {}
-
-    def lap(self, stage: str) -> None:
-        now = time.perf_counter()
-        self.stages[stage] = self.stages.get(stage, 0.0) + now - self._last
-        self._last = now
-
-    @property
-    def total(self) -> float:
-        """From the first message in to the last lap."""
-        return self._last - self.started
-
-
-# The stages of a routed request, in order: the body arriving over gRPC, JSON parse, the chat
-# template, tokenization, Dynamo's block hashes, the plan (session, residency, loads, policy),
-# charging and recording the turn, and the ext_proc answer built.
-STAGES = ("body", "parse", "template", "tokenize", "hashes", "plan", "record", "answer")
 
 
 @dataclass(frozen=True)
