@@ -3,10 +3,13 @@
 `Picker.pick` parses the body, tokenizes it as Dynamo's frontend will (`prompt.PromptTokenizer`),
 checks the limits, plans the turn with the relay router's own state and planner
 (`router.routing.Routing.plan_turn`: session, residency, loads, the policy), records the turn in
-its session, and answers with the frontend to send the request to and the headers that carry the
-route (`route.route_headers`). It never sees the answer: the next turn finds the history by the
-decode worker's KV events (TensorRT-LLM stores a finished sequence's blocks) and the prompt,
-which repeats the answer.
+its session (write-behind: nothing on the path waits for etcd), and answers with the frontend to
+send the request to, the headers that carry the route (`route.route_headers`) and the body with
+the prompt's token ids in it, so the frontend does not tokenize it again (`_body_to_send`). It
+never sees the answer's tokens: the next turn finds the history by the decode worker's KV events
+(TensorRT-LLM stores a finished sequence's blocks) and the prompt, which repeats the answer. It
+sees the answer's status when the gateway sends the response headers (`answered`): a failed
+turn pinned to a prefill worker tells it that worker is gone.
 
 The loads this picker adds (``Routing.loads``, which placement ranks workers by, merged with the
 workers' forward-pass reports) are charged when a turn is routed and released when the turn is
