@@ -73,6 +73,12 @@ def group_cpu_s(pgid: int) -> float:
     return total / _TICKS
 
 
+def machine_busy_s() -> float:
+    """CPU seconds every core of the machine spent busy (not idle, not waiting on I/O) since boot."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(values) - values[3] - values[4]) / _TICKS
+
+
 def own_cpu_s() -> float:
     """This process's CPU seconds (the benchmark client runs here)."""
     t = os.times()

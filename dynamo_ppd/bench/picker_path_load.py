@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .client import TokenText
-from .cpu import own_cpu_s, process_cpu_s, thread_cpu_s
+from .cpu import machine_busy_s, own_cpu_s, process_cpu_s, thread_cpu_s
 from .picker_path_report import CpuUse, Outcome
 
 FIRST_TURNS = {"first-0.5k": 500, "first-2k": 2000, "first-8k": 8000, "first-32k": 32000,
@@ -34,7 +32,6 @@ DEADLINE_GRACE_S = 5.0  # after a point's last send, requests unanswered this lo
 CALLOUT_TIMEOUT_S = 60.0  # per awaited answer (Envoy's message_timeout); the deadline comes first
 QUIET_CORES = 0.15  # between points: wait until the picker is back under this (its backlog done)
 SETTLE_MAX_S = 15.0
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # --- what is sent --------------------------------------------------------------------------------
@@ -243,12 +240,6 @@ class Driver:
         for task in list(self.closing):
             task.cancel()
         await self.channel.close()
-
-
-def machine_busy_s() -> float:
-    """CPU seconds every core of the machine spent busy (not idle, not waiting on I/O) since boot."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return (sum(values) - values[3] - values[4]) / _TICKS
 
 
 DRIVER, MACHINE, WALL = "driver", "machine", "wall"  # `Meter`'s readings beside the graph's labels
