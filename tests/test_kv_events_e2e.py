@@ -11,6 +11,7 @@ import time
 import nats
 import pytest
 
+from dynamo_ppd.launch.launcher import wait_ready
 from dynamo_ppd.launch.process import free_port, stop_all
 from dynamo_ppd.launch.servers import nats_process
 from dynamo_ppd.router.kv_events import KvEventThread
@@ -21,10 +22,7 @@ pytestmark = pytest.mark.e2e
 def _nats(tmp_path, port: int):
     proc = nats_process(port, tmp_path / "nats-data", tmp_path / "nats.log")
     proc.start()
-    deadline = time.monotonic() + 20
-    while not proc.is_ready():
-        assert time.monotonic() < deadline, "nats-server did not start"
-        time.sleep(0.05)
+    wait_ready([proc], log=lambda _message: None)  # LaunchError if it exits or is not up in 20 s
     return proc
 
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from dynamo_ppd.launch import ServeOptions, start
+from dynamo_ppd.launch.launcher import wait_ready
 from dynamo_ppd.launch.process import free_port, stop_all
 from dynamo_ppd.launch.servers import etcd_process
 from dynamo_ppd.router.sessions import decode as decode_session
@@ -298,10 +299,7 @@ def test_etcd_outage_routing_continues_and_sessions_resync(model_dir, tmp_path):
     def sessions_etcd():
         proc = etcd_process(port, data, tmp_path / "sessions-etcd.log")
         proc.start()
-        deadline = time.monotonic() + 20
-        while not proc.is_ready():
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_ready([proc], log=lambda _message: None)  # LaunchError if it exits or is not up in 20 s
         return proc
 
     etcd = sessions_etcd()

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dynamo_ppd.launch.launcher import wait_ready
 from dynamo_ppd.launch.process import ManagedProcess, ReadySpec, free_port, stop_all
 from dynamo_ppd.launch.servers import etcd_process, live_dynamo_keys
 
@@ -25,10 +26,7 @@ def own_etcd(tmp_path):
     port = free_port()
     proc = etcd_process(port, tmp_path / "etcd-data", tmp_path / "etcd.log")
     proc.start()
-    deadline = time.monotonic() + 20
-    while not proc.is_ready():
-        assert time.monotonic() < deadline, proc.log_tail()
-        time.sleep(0.1)
+    wait_ready([proc], log=lambda _message: None)  # LaunchError if it exits or is not up in 20 s
     yield f"http://127.0.0.1:{port}"
     stop_all([proc])
 

@@ -9,6 +9,7 @@ import time
 import aetcd
 import pytest
 
+from dynamo_ppd.launch.launcher import wait_ready
 from dynamo_ppd.launch.process import free_port, stop_all
 from dynamo_ppd.launch.servers import etcd_process
 from dynamo_ppd.router.sessions import EtcdSessions, SessionRecord, encode
@@ -23,10 +24,7 @@ def etcd_url(tmp_path_factory):
     port = free_port()
     proc = etcd_process(port, tmp / "data", tmp / "etcd.log")
     proc.start()
-    deadline = time.monotonic() + 20
-    while not proc.is_ready():
-        assert time.monotonic() < deadline, "etcd did not start"
-        time.sleep(0.1)
+    wait_ready([proc], log=lambda _message: None)  # LaunchError if it exits or is not up in 20 s
     yield f"http://127.0.0.1:{port}"
     stop_all([proc])
 
