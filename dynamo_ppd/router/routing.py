@@ -262,7 +262,7 @@ class Routing:
             return
         if plan.bound_prefill in live_prefill:
             plan.prefill = plan.bound_prefill
-        elif plan.prefill != plan.bound_prefill:
+        else:  # (placement chose among the live ones, so not the bound worker)
             plan.unbound = True
 
     def _cluster(self, chain: list[int], prefill: Sequence[int] = (), decode: Sequence[int] = (),
