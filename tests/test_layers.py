@@ -185,6 +185,49 @@ def package_cycles(root: Path) -> list[list[str]]:
     return cycles
 
 
+def module_circles(root: Path) -> list[list[str]]:
+    """Groups of modules that import one another in a circle (the strongly connected components of
+    the import graph with more than one module, Tarjan's algorithm), each sorted. Every import
+    counts, lazy and ``TYPE_CHECKING`` ones too: deferring an import hides a circle, it does not
+    break it. A package's ``__init__`` is a module like any other."""
+    modules, imports = collect_imports(root)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for imp in imports:
+        if imp.target in modules and imp.target != imp.source:
+            graph[imp.source].add(imp.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return sorted(circles)
+
+
 def core_io_imports(root: Path, layers: dict[str, int]) -> list[str]:
     """Module-level imports of an I/O or server library in a core module."""
     _, imports = collect_imports(root)
@@ -207,6 +250,10 @@ def test_no_module_imports_from_a_higher_layer():
 
 def test_no_package_cycle():
     assert package_cycles(PACKAGE) == []
+
+
+def test_no_module_import_circle():
+    assert module_circles(PACKAGE) == []
 
 
 def test_core_imports_no_io_or_server_library():
@@ -253,6 +300,18 @@ def test_checker_reports_a_package_cycle(tmp_path):
         "edge/__init__.py": "", "edge/b.py": "from ..core import a\n",
     })
     assert package_cycles(root) == [["pkg.core", "pkg.edge", "pkg.core"]]
+
+
+def test_checker_reports_a_module_circle_even_through_a_deferred_import(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "core/__init__.py": "",
+        "core/a.py": "from .b import thing\n",
+        "core/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import other\n",
+        "core/c.py": "def f():\n    from .a import x\n",  # lazily: still a circle
+        "core/d.py": "from .a import x\n",  # imports into the circle, not part of it
+    })
+    assert module_circles(root) == [["pkg.core.a", "pkg.core.b", "pkg.core.c"]]
 
 
 def test_checker_reports_io_in_core_at_module_level_only(tmp_path):

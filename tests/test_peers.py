@@ -7,6 +7,7 @@ import pytest
 
 from dynamo_ppd.bench.paper import run_protocol
 from dynamo_ppd.engine import LoadSnapshot, load_profile
+from dynamo_ppd.sim.assignment import DecodeLocal, Replica, RoutingError, SimRequestFeatures, ViaPrefill
 from dynamo_ppd.sim.peers import (
     PEER_ROUTERS,
     REPLICA_PEERS,
@@ -18,14 +19,7 @@ from dynamo_ppd.sim.peers import (
     llmd_prefix_decides_pd,
     make_peer_router,
 )
-from dynamo_ppd.sim.routing import (
-    DecodeLocal,
-    Replica,
-    RoutingError,
-    SimRequestFeatures,
-    ViaPrefill,
-    make_router,
-)
+from dynamo_ppd.sim.routing import make_router
 
 pytestmark = pytest.mark.unit
 

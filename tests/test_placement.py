@@ -27,8 +27,9 @@ from dynamo_ppd.router.metrics import RouterMetrics
 from dynamo_ppd.router.router import PpdRouter, Turn
 from dynamo_ppd.router.service import build_policy
 from dynamo_ppd.sim import Cluster, SimRequestFeatures
+from dynamo_ppd.sim.assignment import DecodeLocal, ViaPrefill
 from dynamo_ppd.sim.cluster import ClusterRequest
-from dynamo_ppd.sim.routing import DecodeLocal, ViaPrefill, least_loaded_decode, least_loaded_prefill
+from dynamo_ppd.sim.routing import least_loaded_decode, least_loaded_prefill
 
 pytestmark = pytest.mark.unit
 

@@ -10,6 +10,7 @@ import pytest
 
 from dynamo_ppd.cli.sim import add_arguments, main
 from dynamo_ppd.engine import load_profile
+from dynamo_ppd.sim.assignment import DecodeLocal, Replica, RoutingError, SimRequestFeatures, ViaPrefill
 from dynamo_ppd.sim.cluster import Cluster, parse_config
 from dynamo_ppd.sim.conversation import (
     TEMPLATE_TOKENS,
@@ -19,17 +20,7 @@ from dynamo_ppd.sim.conversation import (
     Turn,
     synthetic_workload,
 )
-from dynamo_ppd.sim.routing import (
-    DecodeLocal,
-    Replica,
-    RoutingError,
-    SimRequestFeatures,
-    ViaPrefill,
-    fraction_router,
-    local_router,
-    pd_router,
-    replica_router,
-)
+from dynamo_ppd.sim.routing import fraction_router, local_router, pd_router, replica_router
 from dynamo_ppd.sim.run import RequestRecord, SimResult, simulate
 
 pytestmark = pytest.mark.unit

@@ -11,10 +11,8 @@ import pytest
 from dynamo_ppd.engine import load_profile
 from dynamo_ppd.engine.profile import LINK_PRESETS, ProfileError, StackCosts, link_preset
 from dynamo_ppd.sim import Cluster, Conversation, Turn, simulate
+from dynamo_ppd.sim.assignment import DecodeLocal, Replica, ViaPrefill
 from dynamo_ppd.sim.routing import (
-    DecodeLocal,
-    Replica,
-    ViaPrefill,
     local_router,
     paper_proxy_router,
     parse_paper_config,
@@ -115,7 +113,7 @@ def test_paper_proxy_places_conversations_as_the_authors_proxy():
     assert all(35 <= kinds[k] <= 65 for k in ("R", "pD", "D")), kinds
     # The same seed places the same conversations the same way.
     again = paper_proxy_router(config, seed=3)
-    from dynamo_ppd.sim.routing import SimRequestFeatures
+    from dynamo_ppd.sim.assignment import SimRequestFeatures
     features = SimRequestFeatures("c007", 1, 10, 10, 4, None, 0, 0.0, [])
     assert router(features, cluster.view) == again(features, cluster.view)
     assert isinstance(router(features, cluster.view), (Replica, ViaPrefill, DecodeLocal))

@@ -45,8 +45,9 @@ from ..engine.profile import EngineProfile, link_preset, load_profile
 from ..policy.simulate import ppd_router as simulate_ppd_router
 from ..policy.table import Weights, load_table, shipped_table
 from ..sim import peers
+from ..sim.cluster import Router
 from ..sim.outcome import SUCCESS_BAR, TurnResult, succeeded, tpot_s
-from ..sim.routing import Router, local_router, paper_proxy_router, parse_paper_config, pd_router
+from ..sim.routing import local_router, paper_proxy_router, parse_paper_config, pd_router
 from ..workloads.manifest import Manifest, scale_arrivals, to_sim
 from .paper import simulate_point
 

@@ -69,6 +69,7 @@ from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, load_
 from ..engine.scheduler import Engine, EngineRequest, TokenOutput
 from . import interference_paper as paper
 from . import plots
+from .interference_paper import InterferencePoint
 
 Kind = Literal["full", "append"]
 PROTOCOLS = ("paper", "closed-loop")
@@ -91,16 +92,6 @@ PAPER: dict[tuple[str, int, int | None, int | None], str] = {
     ("full", 1, None, 32768): "3-4x TPOT (+200..300%)",
     ("append", 1, None, None): "< +25% up to 64K",
 }
-
-
-class InterferencePoint(msgspec.Struct, frozen=True):
-    kind: str  # "full" | "append"
-    concurrent: int
-    decode_batch: int
-    context_tokens: int  # full: prompt length (all uncached); append: cached context length
-    baseline_tpot_ms: float
-    tpot_ms: float
-    slowdown: float  # tpot / baseline - 1 (0.48 = +48%)
 
 
 class InterferenceResult(msgspec.Struct):

@@ -32,16 +32,12 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from ..engine.profile import EngineProfile
 from ..engine.scheduler import Engine, EngineRequest, TokenOutput
 from . import plots
-
-if TYPE_CHECKING:
-    from .interference import InterferencePoint
 
 DATA_DIR = Path(__file__).parent / "data"
 MEASURED_CORE = DATA_DIR / "interference_core.json"
@@ -68,6 +64,19 @@ HEADLINE_BATCH = 200
 # The issue's acceptance band: the paper-protocol slowdown at batch 200, one prefill, within a
 # factor 2 of the paper's figure for full; append no more than +6%.
 DONE_WHEN = {"full": (0.24, 0.96), "append": (-math.inf, 0.06)}
+
+
+class InterferencePoint(msgspec.Struct, frozen=True):
+    """One point of either protocol (this one or `interference`'s closed loop): the decode batch's
+    TPOT with ``concurrent`` prefills of ``kind`` beside it, against the batch alone."""
+
+    kind: str  # "full" | "append"
+    concurrent: int
+    decode_batch: int
+    context_tokens: int  # full: prompt length (all uncached); append: cached context length
+    baseline_tpot_ms: float
+    tpot_ms: float
+    slowdown: float  # tpot / baseline - 1 (0.48 = +48%)
 
 
 def context_of(kind: str) -> int:

@@ -28,8 +28,9 @@ import msgspec
 from ..argtypes import cli_error, comma_choices, positive_floats, positive_int
 from ..engine.profile import EngineProfile, ProfileError, TransferConstants, link_preset, load_profile
 from ..sim import Cluster, Conversation, simulate
+from ..sim.cluster import Router
 from ..sim.outcome import PAPER_TIMEOUT_S, SUCCESS_BAR, paper_columns
-from ..sim.routing import Router, paper_proxy_router, parse_paper_config
+from ..sim.routing import paper_proxy_router, parse_paper_config
 from ..sim.run import SimResult
 from ..workloads.generators import (
     PAPER_KILL_AFTER_S,

@@ -51,16 +51,9 @@ from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
 from ..policy.table import CONFIGS, Weights, bundled_table, load_table, reweight
 from ..sim import Conversation, peers
-from ..sim.cluster import parse_config
+from ..sim.cluster import Router, parse_config
 from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, Outcome
-from ..sim.routing import (
-    Router,
-    fraction_router,
-    local_router,
-    paper_proxy_router,
-    parse_paper_config,
-    pd_router,
-)
+from ..sim.routing import fraction_router, local_router, paper_proxy_router, parse_paper_config, pd_router
 from ..workloads.generators import PAPER_QPS, PAPER_WORKLOADS, make_workload, paper_workload
 from ..workloads.manifest import to_sim
 from . import plots, saturation, sweep_report

@@ -33,9 +33,9 @@ from ..engine.profile import EngineProfile, ProfileError, load_profile
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
 from ..policy.table import CONFIGS, Weights, bundled_table, load_table, reweight
-from ..sim.cluster import parse_config
+from ..sim.cluster import Router, parse_config
 from ..sim.outcome import paper_columns
-from ..sim.routing import Router, paper_proxy_router, parse_paper_config
+from ..sim.routing import paper_proxy_router, parse_paper_config
 from ..workloads.generators import PAPER_WORKLOADS
 from . import paper_data as pdata
 from . import plots

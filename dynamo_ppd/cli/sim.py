@@ -16,11 +16,12 @@ from ..argtypes import cli_error, positive_float, positive_seconds
 from ..engine import DEFAULT_PROFILE, EngineProfile, ProfileError, load_profile
 from ..policy.simulate import ppd_router
 from ..policy.table import TableError, Weights, load_table, parse_weights, shipped_table
-from ..sim.cluster import Cluster, parse_config
+from ..sim.assignment import RoutingError
+from ..sim.cluster import Cluster, Router, parse_config
 from ..sim.conversation import Conversation, synthetic_workload
 from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, Outcome
 from ..sim.peers import PEER_ROUTERS
-from ..sim.routing import ROUTER_NAMES, Router, RoutingError, make_router
+from ..sim.routing import ROUTER_NAMES, make_router
 from ..sim.run import SimResult, simulate
 from ..workloads.generators import PAPER_WORKLOADS, UnknownWorkload, make_workload
 from ..workloads.manifest import to_sim

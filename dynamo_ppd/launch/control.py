@@ -18,10 +18,9 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .launcher import Deployment
+from .supervise import RestartEvent
 
 
 class ControlError(Exception):
@@ -39,8 +38,19 @@ def parse_signal(name: str | int) -> signal.Signals:
         raise ValueError(f"unknown signal {name!r} (e.g. KILL, TERM, INT, 9)") from None
 
 
+class Controlled(Protocol):
+    """What the channel drives: a running graph (`launcher.Deployment`), declared here so the
+    channel needs nothing from the launcher that starts it."""
+
+    def status(self) -> list[dict]: ...
+
+    def kill(self, label: str, sig: int = ...) -> int: ...
+
+    def restart(self, label: str, wait: bool = True, timeout_s: float = 60.0) -> RestartEvent: ...
+
+
 class ControlServer:
-    def __init__(self, deployment: Deployment, host: str = "127.0.0.1"):
+    def __init__(self, deployment: Controlled, host: str = "127.0.0.1"):
         dep = deployment
 
         class Handler(BaseHTTPRequestHandler):

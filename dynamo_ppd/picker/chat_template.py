@@ -43,9 +43,8 @@ map the template builds itself (``{{ "a b".split() }}``) prints as Python's repr
 from the request (a content array, parsed tool arguments, ``tools``) print as Dynamo prints them
 (`_display`). Real chat templates print containers through ``tojson``.
 
-Errors in a request are `prompt.PromptError` (imported from there: `prompt` imports this module
-only when it builds a `prompt.PromptTokenizer`), errors in the model directory
-`model.ModelDirError`.
+Errors in a request are `PromptError` (defined here, the lowest module of the prompt path;
+`prompt` raises it too), errors in the model directory `model.ModelDirError`.
 """
 
 from __future__ import annotations
@@ -59,7 +58,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..model import ModelDirError
-from .prompt import PromptError
+
+
+class PromptError(ValueError):
+    """The request cannot be tokenized as Dynamo's frontend would (it answers such a request with
+    HTTP 400); the message says why."""
+
 
 # oai.rs DEFAULT_MEDIA_TYPE_CONVERSIONS
 _MEDIA_PLACEHOLDERS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}

@@ -38,12 +38,10 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..model import ModelDirError
-
-if TYPE_CHECKING:
-    from .chat_template import ChatTemplate
+from .chat_template import ChatTemplate, PromptError
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -86,11 +84,6 @@ _PART_TYPES: dict[str, frozenset[str]] = {
     "tool": frozenset({"text"}),
 }
 
-
-
-class PromptError(ValueError):
-    """The request cannot be tokenized as Dynamo's frontend would (it answers such a request with
-    HTTP 400); the message says why."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,7 +389,6 @@ class PromptTokenizer:
     def __init__(self, tokenizer: Any, config: Mapping[str, Any], *, chat_template: Any = None,
                  vocab_size: int | None = None, context_length: int = 0,
                  exclude_tools_when_tool_choice_none: bool = True):
-        from .chat_template import ChatTemplate  # imported here: chat_template imports PromptError
 
         self.tokenizer = tokenizer
         self._fast_encode = hasattr(tokenizer, "encode_batch_fast")

@@ -45,7 +45,7 @@ from ..engine import (
 )
 from ..engine.handoff import decode_leg, prefill_leg, ship_prompt_kv
 from ..engine.profile import TransferConstants
-from .routing import Assignment, DecodeLocal, Replica, RoutingError, ViaPrefill
+from .assignment import Assignment, DecodeLocal, Replica, RoutingError, SimRequestFeatures, ViaPrefill
 
 
 class Role(str, enum.Enum):
@@ -405,3 +405,8 @@ class ClusterView:
     def session_decode(self, conversation_id: str) -> str | None:
         """The worker that decoded the conversation's last turn (None for a new conversation)."""
         return self._cluster.sessions.get(conversation_id)
+
+
+# A router is any callable (features, view) -> assignment: the built-in ones are in `routing`, the
+# peers' in `peers`, the PPD router's in `policy.simulate`. Declared beside the view it is given.
+Router = Callable[[SimRequestFeatures, ClusterView], Assignment]

@@ -42,11 +42,11 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from .routing import Assignment, DecodeLocal, Replica, Router, RoutingError, SimRequestFeatures, ViaPrefill
+from .assignment import Assignment, DecodeLocal, Replica, RoutingError, SimRequestFeatures, ViaPrefill
+from .cluster import ClusterView, Router
 
 if TYPE_CHECKING:
     from ..engine import EngineProfile
-    from .cluster import ClusterView
 
 # Dynamo 1.6.1 defaults (lib/kv-router/src/conditional_disagg.rs; kv_router_args.py).
 DYNAMO_EFF_ISL_THRESHOLD = 2048

@@ -1,91 +1,23 @@
-"""Routing in the simulator: what a router sees of a request, the `Assignment` it returns (a
-route with its workers), and the built-in routers.
+"""The simulator's built-in routers: the fixed rules (pd, local, fraction, agg), the paper
+authors' proxy, and `make_router`, every router by its CLI name (the peers' from `peers`).
 
-A router is any callable ``(features, view) -> assignment``. It sees `SimRequestFeatures` (what the
-live router learns from the request and the conversation's earlier turns) and a `ClusterView`
-(the load metrics, KV-event state and transfer backlog the live router gets from the workers),
-never the simulator's internals, so a policy tuned here can run unchanged in front of real
-workers.
-
-An `Assignment` is one of three structs, one per route of `policy.decision.Route` (the route's
-name alone), each naming the workers that execute it, as the live router would:
-- `ViaPrefill(prefill, decode)`: classic PD (x=0). The prompt is prefilled on ``prefill`` and its
-  whole KV cache is sent to ``decode``.
-- `DecodeLocal(decode)`: PPD's x=1. ``decode`` runs the (append-)prefill itself, reusing the
-  conversation's KV it already holds; nothing is transferred.
-- `Replica(worker)`: a replica, an aggregated worker, does prefill and decode (no
-  disaggregation): the paper's Replica, the R of a config like 4R (Dynamo and the graphs say
-  ``agg``; the records' route name is ``aggregated``).
+A router is any callable ``(features, view) -> assignment`` (`cluster.Router`). It sees
+`SimRequestFeatures` (what the live router learns from the request and the conversation's earlier
+turns) and a `ClusterView` (the load metrics, KV-event state and transfer backlog the live router
+gets from the workers), never the simulator's internals, so a policy tuned here can run unchanged
+in front of real workers. What it answers, an `Assignment`, is in `assignment`.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 
-if TYPE_CHECKING:
-    from .cluster import ClusterView
-
-
-class ViaPrefill(msgspec.Struct, frozen=True):
-    prefill: str
-    decode: str
-
-
-class DecodeLocal(msgspec.Struct, frozen=True):
-    decode: str
-
-
-class Replica(msgspec.Struct, frozen=True):
-    worker: str
-
-
-Assignment = ViaPrefill | DecodeLocal | Replica
-
-
-def route_name(assignment: Assignment) -> str:
-    """The route's name a record stores: via_prefill, decode_local, or aggregated for a replica
-    (the spelling `sim run --json` has always written; the live router's is `Route.REPLICA`)."""
-    if isinstance(assignment, ViaPrefill):
-        return "via_prefill"
-    if isinstance(assignment, DecodeLocal):
-        return "decode_local"
-    return "aggregated"
-
-
-class RoutingError(ValueError):
-    """A router returned something the cluster cannot execute (unknown worker, wrong role)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SimRequestFeatures:
-    """What a real router knows when a turn arrives: the raw request and session facts a
-    simulated router starts from (the PPD router derives `policy.decision.RequestFeatures`, the
-    policy's inputs, from these and the `ClusterView`, in `policy.placement`).
-
-    ``new_tokens`` counts the prompt tokens beyond the previous turn's prompt and output (the
-    router saw both stream through it); for turn 1 it is the whole prompt. ``decode_worker`` is
-    the worker that decoded the conversation's previous turn (its session worker), and
-    ``cached_on_decode`` how many prompt tokens it still holds, as its KV events report."""
-
-    conversation_id: str
-    turn: int  # 1-based
-    prompt_tokens: int
-    new_tokens: int
-    max_tokens: int
-    decode_worker: str | None
-    cached_on_decode: int
-    now: float
-    token_ids: list[int] = field(repr=False)
-
-
-Router = Callable[[SimRequestFeatures, "ClusterView"], Assignment]
-
+from .assignment import Assignment, DecodeLocal, Replica, RoutingError, SimRequestFeatures, ViaPrefill
+from .cluster import ClusterView, Router
+from .peers import PEER_ROUTERS, make_peer_router
 
 # -- load signals of the plain built-in routers (pd, local, fraction, agg) -----------------------
 # These are the fixed rules' own placement, which table cells are measured with. The PPD router
@@ -272,7 +204,6 @@ def make_router(name: str, local_fraction: float = 0.5, seed: int = 0) -> Router
         return fraction_router(local_fraction, seed)
     if name == "agg":
         return replica_router
-    from .peers import PEER_ROUTERS, make_peer_router  # here: peers imports this module
     if name in PEER_ROUTERS:
         return make_peer_router(name, seed)
     raise ValueError(f"unknown router {name!r}; choose one of {', '.join((*ROUTER_NAMES, *PEER_ROUTERS))}")

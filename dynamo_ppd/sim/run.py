@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from .cluster import Cluster, ClusterRequest
+from .assignment import SimRequestFeatures, ViaPrefill, route_name
+from .cluster import Cluster, ClusterRequest, Router
 from .conversation import Conversation, ConversationPrompts
 from .outcome import Outcome, TurnResult, summarize
-from .routing import Router, SimRequestFeatures, ViaPrefill, route_name
 
 
 class RequestRecord(msgspec.Struct, frozen=True):
