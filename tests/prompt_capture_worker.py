@@ -2,7 +2,7 @@
 
 ``python tests/prompt_capture_worker.py --out FILE --model DIR=NAME [--model DIR=NAME ...]``
 registers each model directory under its name (``ModelInput.Tokens``, chat and completions, like
-`dynamo_ppd.router.passthrough`) on its own endpoint ``{namespace}.capture{i}.generate``, and
+`dynamo_ppd.relay.passthrough`) on its own endpoint ``{namespace}.capture{i}.generate``, and
 answers every request with one token and ``finish_reason: "stop"`` (the shape
 `dynamo_ppd.worker.handler` yields) after appending one JSON line to ``FILE``:
 ``{"model": NAME, "token_ids": [...]}``. The frontend's preprocessing (chat template, tokenizer)

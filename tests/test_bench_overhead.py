@@ -28,9 +28,9 @@ def test_the_routers_own_decision_time_is_its_histograms_mean():
     from prometheus_client import generate_latest
 
     from dynamo_ppd.bench.overhead import decision_mean_ms
-    from dynamo_ppd.router.metrics import RouterMetrics
+    from dynamo_ppd.routing.metrics import RoutingMetrics
 
-    metrics = RouterMetrics()
+    metrics = RoutingMetrics()
     assert decision_mean_ms(generate_latest(metrics.registry).decode()) is None
     for seconds in (0.0002, 0.0004, 0.0009):
         metrics.decision_seconds.observe(seconds)

@@ -59,7 +59,7 @@ def test_this_process_threads_are_read_by_name():
 
 
 def test_the_lean_router_runs_without_both_subscriptions():
-    from dynamo_ppd.router.args import parse_args
+    from dynamo_ppd.routing.args import parse_args
 
     lean = parse_args(LEAN_ROUTER_ARGS)
     assert (lean.load_reports, lean.residency_recovery) == (False, False)

@@ -144,7 +144,7 @@ def test_markdown_gives_every_figure_and_ratio_an_interval():
 
 def test_model_clock_rate_and_policy_read_dilated_wall_times_in_model_seconds():
     from dynamo_ppd.policy.decision import Decision, Mode, PolicyConfig
-    from dynamo_ppd.router.service import ModelClockPolicy, ModelClockRate
+    from dynamo_ppd.routing.start import ModelClockPolicy, ModelClockRate
 
     rate = ModelClockRate(speedup=0.25, window_s=10.0)
     for i in range(40):  # one request per wall second for 40 s: 4 per model second

@@ -24,8 +24,8 @@ from dynamo_ppd.launch.graph import PLACEHOLDERS, expand, load_graph
 from dynamo_ppd.launch.launcher import dry_run
 from dynamo_ppd.launch.process import free_port
 from dynamo_ppd.policy.table import load_table
-from dynamo_ppd.router.args import build_parser
-from dynamo_ppd.router.metrics import RouterMetrics
+from dynamo_ppd.routing.args import build_parser
+from dynamo_ppd.routing.metrics import RoutingMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -170,7 +170,7 @@ def test_trtllm_graph_dry_run(graph):
                          replicas=_replicas_dict(GRAPH_REPLICAS["3p1d"])), log=lines.append)
     assert sum("-m dynamo.trtllm" in line for line in lines) == 4
     assert any("-m dynamo.frontend" in line for line in lines)
-    assert any("-m dynamo_ppd.router" in line for line in lines) == (graph == "ppd-relay-trtllm")
+    assert any("-m dynamo_ppd.relay" in line for line in lines) == (graph == "ppd-relay-trtllm")
     assert any("-m dynamo_ppd.picker" in line for line in lines) == (graph == "ppd-trtllm")
 
 
@@ -191,8 +191,8 @@ def test_trtllm_graph_cli_dry_run():
 @pytest.mark.unit
 def test_ppd_relay_trtllm_router_flags_parse():
     commands = _graph_commands("ppd-relay-trtllm")
-    (router_argv, _), = [v for v in commands.values() if _after_module(v[0], "dynamo_ppd.router")]
-    args = build_parser().parse_args(_after_module(router_argv, "dynamo_ppd.router"))
+    (router_argv, _), = [v for v in commands.values() if _after_module(v[0], "dynamo_ppd.relay")]
+    args = build_parser().parse_args(_after_module(router_argv, "dynamo_ppd.relay"))
     frontend = next(argv for argv, _ in commands.values() if _after_module(argv, "dynamo.frontend"))
     assert args.namespace == frontend[frontend.index("--namespace") + 1] == "ppd"
     assert args.workers_namespace == "workers" and args.mode == "ppd" and args.block_size == 32
@@ -369,7 +369,7 @@ def _main(component: dict) -> dict:
 
 def _router_args(docs: list[dict]):
     main = _main(_components(docs)["Router"])
-    assert main["command"] == ["python3", "-m", "dynamo_ppd.router"]
+    assert main["command"] == ["python3", "-m", "dynamo_ppd.relay"]
     # A flag the router does not accept makes argparse exit (SystemExit fails the test).
     return build_parser().parse_args(main["args"])
 
@@ -549,7 +549,7 @@ TARGET_LABELS = {"namespace", "pod", "container", "job", "instance", "endpoint",
 
 def _exported_metrics() -> dict[str, set[str]]:
     """Series names the router exports -> their label names (from the metrics object itself)."""
-    metrics = RouterMetrics()
+    metrics = RoutingMetrics()
     out: dict[str, set[str]] = {}
     for attr in vars(metrics).values():
         if not hasattr(attr, "_type") or not hasattr(attr, "_name"):
@@ -576,7 +576,7 @@ def test_dashboard_names_only_metrics_the_router_exports():
         for name in re.findall(r"\b(ppd_[a-z_]+)", expr):
             used.add(name)
             assert name in exported, \
-                f"dashboard uses {name}, which dynamo_ppd/router/metrics.py does not export"
+                f"dashboard uses {name}, which dynamo_ppd/routing/metrics.py does not export"
         for name, selector in re.findall(r"\b(ppd_[a-z_]+)\{([^}]*)\}", expr):
             for label in re.findall(r"([a-z_]+)\s*[=!]~?", selector):
                 assert label in exported[name] | TARGET_LABELS, f"{name} has no label {label!r}"
@@ -605,7 +605,7 @@ def test_dockerfile():
     dynamo_version = re.search(r'"ai-dynamo==([0-9.]+)"', pyproject).group(1)
     assert f"ARG DYNAMO_IMAGE=nvcr.io/nvidia/ai-dynamo/tensorrtllm-runtime:{dynamo_version}" in text
     assert re.search(r"^FROM \$\{DYNAMO_IMAGE\}\s*$", text, re.M)
-    assert 'ENTRYPOINT ["python3", "-m", "dynamo_ppd.router"]' in text
+    assert 'ENTRYPOINT ["python3", "-m", "dynamo_ppd.relay"]' in text
     # The same aisimulate override as the project's own resolution.
     assert 'aisimulate; sys_platform == "never"' in text
     assert "aisimulate; sys_platform == 'never'" in pyproject

@@ -30,7 +30,7 @@ from test_deploy import (
 )
 
 from dynamo_ppd.picker.args import parse_args as parse_picker_args
-from dynamo_ppd.router.args import build_parser as build_router_parser
+from dynamo_ppd.routing.args import build_parser as build_router_parser
 
 CRDS = Path(__file__).resolve().parent / "crds"
 SHARED_CRDS = Path(__file__).resolve().parents[2] / "shared" / "crds"

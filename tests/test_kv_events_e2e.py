@@ -14,7 +14,7 @@ import pytest
 from dynamo_ppd.launch.launcher import wait_ready
 from dynamo_ppd.launch.process import free_port, stop_all
 from dynamo_ppd.launch.servers import nats_process
-from dynamo_ppd.router.kv_events import KvEventThread
+from dynamo_ppd.routing.kv_events import KvEventThread
 
 pytestmark = pytest.mark.e2e
 

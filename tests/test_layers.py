@@ -44,7 +44,9 @@ LAYERS = {
     "dynamo_ppd.runtime": ADAPTER,
     "dynamo_ppd.model": ADAPTER,
     "dynamo_ppd.worker": ADAPTER,
-    "dynamo_ppd.router": ADAPTER,
+    "dynamo_ppd.routing": ADAPTER,
+    "dynamo_ppd.relay": ADAPTER,
+    "dynamo_ppd.router": ADAPTER,  # the shim of `python -m dynamo_ppd.router`
     "dynamo_ppd.picker": ADAPTER,
     "dynamo_ppd.gateway": ADAPTER,
     "dynamo_ppd.launch": ADAPTER,
@@ -228,6 +230,20 @@ def module_circles(root: Path) -> list[list[str]]:
     return sorted(circles)
 
 
+def shell_imports(root: Path, shells: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
+    """Imports of a shell package (the relay router, the endpoint picker) from a package that is
+    neither that shell nor one of ``allowed``: a shell is started, never built on."""
+    _, imports = collect_imports(root)
+    name = root.name
+    out = []
+    for imp in imports:
+        shell = package_of(imp.target, name)
+        source = package_of(imp.source, name)
+        if shell in shells and source != shell and source not in allowed:
+            out.append(f"{imp.source}:{imp.line} imports {imp.target}")
+    return out
+
+
 def core_io_imports(root: Path, layers: dict[str, int]) -> list[str]:
     """Module-level imports of an I/O or server library in a core module."""
     _, imports = collect_imports(root)
@@ -254,6 +270,17 @@ def test_no_package_cycle():
 
 def test_no_module_import_circle():
     assert module_circles(PACKAGE) == []
+
+
+# The shells wrap `dynamo_ppd.routing`; only what starts or measures them may import them: the
+# command line, the launcher's graphs (they name modules, import none), the benchmarks, and the
+# shim that keeps `python -m dynamo_ppd.router` working.
+SHELLS = ("dynamo_ppd.relay", "dynamo_ppd.picker")
+SHELL_USERS = ("dynamo_ppd.cli", "dynamo_ppd.launch", "dynamo_ppd.bench", "dynamo_ppd.router")
+
+
+def test_only_the_cli_the_graphs_and_the_benchmarks_import_a_shell():
+    assert shell_imports(PACKAGE, SHELLS, SHELL_USERS) == []
 
 
 def test_core_imports_no_io_or_server_library():
@@ -312,6 +339,17 @@ def test_checker_reports_a_module_circle_even_through_a_deferred_import(tmp_path
         "core/d.py": "from .a import x\n",  # imports into the circle, not part of it
     })
     assert module_circles(root) == [["pkg.core.a", "pkg.core.b", "pkg.core.c"]]
+
+
+def test_checker_reports_a_shell_imported_by_the_state_it_wraps(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "state/__init__.py": "", "state/table.py": "def f():\n    from pkg.shell.serve import x\n",
+        "shell/__init__.py": "", "shell/serve.py": "from ..state import table\n",
+        "cli.py": "from .shell import serve\n",
+    })
+    assert shell_imports(root, ("pkg.shell",), ("pkg.cli",)) == [
+        "pkg.state.table:2 imports pkg.shell.serve"]
 
 
 def test_checker_reports_io_in_core_at_module_level_only(tmp_path):

@@ -252,10 +252,10 @@ class _Routing:
 
     def __init__(self, raises: Exception):
         from dynamo_ppd.policy.qps import SlidingWindowRate
-        from dynamo_ppd.router.limits import RequestLimits
-        from dynamo_ppd.router.metrics import RouterMetrics
+        from dynamo_ppd.routing.limits import RequestLimits
+        from dynamo_ppd.routing.metrics import RoutingMetrics
 
-        self.metrics, self.rate = RouterMetrics(), SlidingWindowRate()
+        self.metrics, self.rate = RoutingMetrics(), SlidingWindowRate()
         self.limits = RequestLimits(context_window=100)
         self.raises = raises
         self.decode_chosen_downstream = False
@@ -279,7 +279,7 @@ def _pick(routing, body: bytes, headers: dict | None = None) -> Refusal:
 
 
 def test_refusals_carry_their_status_and_count_their_kind():
-    from dynamo_ppd.router.planner import NoWorkers
+    from dynamo_ppd.routing.planner import NoWorkers
 
     routing = _Routing(NoWorkers("no decode worker is available"))
     ok_body = json.dumps({"messages": [{"role": "user", "content": "a b c"}]}).encode()

@@ -11,11 +11,11 @@ from test_router_dispatch import FakeClient
 
 from dynamo_ppd.picker.picker import Pick, Picker
 from dynamo_ppd.policy.decision import Decision, Route
-from dynamo_ppd.router import routing as routing_module
-from dynamo_ppd.router.args import parse_args
-from dynamo_ppd.router.metrics import RouterMetrics
-from dynamo_ppd.router.routing import Routing, Turn
-from dynamo_ppd.router.service import build_policy
+from dynamo_ppd.routing import state as routing_module
+from dynamo_ppd.routing.args import parse_args
+from dynamo_ppd.routing.metrics import RoutingMetrics
+from dynamo_ppd.routing.start import build_policy
+from dynamo_ppd.routing.state import Routing, Turn
 
 pytestmark = pytest.mark.unit
 
@@ -25,7 +25,7 @@ P1, P2, D1, D2 = 1, 2, 11, 12
 def _picker() -> Picker:
     """A picker over an unstarted routing state: two prefill and two decode workers listed."""
     config = parse_args(["--mode", "ppd"])
-    routing = Routing(None, config, build_policy(config), RouterMetrics(),
+    routing = Routing(None, config, build_policy(config), RoutingMetrics(),
                       clients={"prefill": FakeClient([P1, P2], "prefill"),
                                "decode": FakeClient([D1, D2], "decode")})
     return Picker(routing, tokenizer=None, frontends=["127.0.0.1:8001"])  # type: ignore[arg-type]
@@ -76,7 +76,7 @@ def test_a_worker_marked_unreachable_is_back_once_the_period_is_over(monkeypatch
 
 def _plan(routing: Routing, bound: int | None, placed: int, route: Route = Route.VIA_PREFILL) -> Turn:
     """What `plan_turn` does after the planner chose ``placed``, for a session bound to ``bound``."""
-    from dynamo_ppd.router.sessions import SessionRecord
+    from dynamo_ppd.routing.sessions import SessionRecord
 
     record = None if bound is None else SessionRecord("s", decode_worker=D1, prefill_worker=bound, turn=1)
     turn = Turn("s", 2, 300, [], None, decision=Decision(route, "test"), prefill=placed, decode=D1)
@@ -112,7 +112,7 @@ def test_a_session_keeps_the_prefill_worker_the_frontend_bound_it_to():
 
 def test_the_relay_router_records_the_prefill_worker_it_used():
     config = parse_args(["--mode", "ppd"])
-    routing = Routing(None, config, build_policy(config), RouterMetrics(),
+    routing = Routing(None, config, build_policy(config), RoutingMetrics(),
                       clients={"prefill": FakeClient([P1, P2], "prefill"),
                                "decode": FakeClient([D1], "decode")})
     turn = Turn("s", 2, 300, [], None, decision=Decision(Route.DECODE_LOCAL, "test"), prefill=P2, decode=D1)

@@ -108,10 +108,10 @@ def test_args_take_names_and_refuse_what_is_not_host_port():
 class _Routing:
     def __init__(self):
         from dynamo_ppd.policy.qps import SlidingWindowRate
-        from dynamo_ppd.router.limits import RequestLimits
-        from dynamo_ppd.router.metrics import RouterMetrics
+        from dynamo_ppd.routing.limits import RequestLimits
+        from dynamo_ppd.routing.metrics import RoutingMetrics
 
-        self.metrics, self.rate = RouterMetrics(), SlidingWindowRate()
+        self.metrics, self.rate = RoutingMetrics(), SlidingWindowRate()
         self.limits = RequestLimits(context_window=100)
         self.planned = 0
         self.decode_chosen_downstream = False

@@ -22,10 +22,10 @@ from dynamo_ppd.policy.placement import (
     place,
 )
 from dynamo_ppd.policy.simulate import PolicyRouter, cluster_state
-from dynamo_ppd.router.args import parse_args
-from dynamo_ppd.router.metrics import RouterMetrics
-from dynamo_ppd.router.router import PpdRouter, Turn
-from dynamo_ppd.router.service import build_policy
+from dynamo_ppd.relay.router import PpdRouter, Turn
+from dynamo_ppd.routing.args import parse_args
+from dynamo_ppd.routing.metrics import RoutingMetrics
+from dynamo_ppd.routing.start import build_policy
 from dynamo_ppd.sim import Cluster, SimRequestFeatures
 from dynamo_ppd.sim.assignment import DecodeLocal, ViaPrefill
 from dynamo_ppd.sim.cluster import ClusterRequest
@@ -166,7 +166,7 @@ async def routed_by_router(args: list[str], first: list[int], answer: list[int],
     record of turn 1, the KV events of what P1 and D0 stored, its own counts of the HOT requests
     it routed to D0, and each worker's latest forward-pass metrics; then it plans turn 2."""
     config = parse_args(args)
-    router = PpdRouter(None, config, build_policy(config), RouterMetrics(),
+    router = PpdRouter(None, config, build_policy(config), RoutingMetrics(),
                        clients={"prefill": FakeClient([IDS["P0"], IDS["P1"]], "prefill"),
                                 "decode": FakeClient([IDS["D0"], IDS["D1"]], "decode")})
     turn1 = Turn(session_id="s", turn=1, prompt_tokens=len(first),
@@ -241,7 +241,7 @@ def test_router_and_simulator_count_what_they_routed_alike_and_place_a_new_conve
 
     ids = {"P0": 1, "D0": 11, "D1": 12}
     config = parse_args(["--mode", "pd"])
-    router = PpdRouter(None, config, build_policy(config), RouterMetrics(),
+    router = PpdRouter(None, config, build_policy(config), RoutingMetrics(),
                        clients={"prefill": FakeClient([ids["P0"]], "prefill"),
                                 "decode": FakeClient([ids["D0"], ids["D1"]], "decode")})
     for name, prompt in (("D0", 64), ("D1", 150)):  # what the router counted when it routed a and b

@@ -10,10 +10,10 @@ import json
 import pytest
 
 from dynamo_ppd.engine.blocks import prefix_chain
-from dynamo_ppd.router import kv_sync
-from dynamo_ppd.router.kv_sync import KvSync, SilenceWatch
-from dynamo_ppd.router.metrics import RouterMetrics
-from dynamo_ppd.router.residency import Residency
+from dynamo_ppd.routing import kv_sync
+from dynamo_ppd.routing.kv_sync import KvSync, SilenceWatch
+from dynamo_ppd.routing.metrics import RoutingMetrics
+from dynamo_ppd.routing.residency import Residency
 
 pytestmark = pytest.mark.unit
 
@@ -152,7 +152,7 @@ def test_kv_sync_rebuilds_at_start_on_orphans_and_forgets_gone_workers(monkeypat
     monkeypatch.setattr(kv_sync, "DUMP_REUSE_S", 0.0)
 
     async def scenario():
-        residency, metrics = Residency(32), RouterMetrics()
+        residency, metrics = Residency(32), RoutingMetrics()
         decode = FakeClient([7, 8])
         sync = KvSync(None, residency, metrics, "workers", {"decode": "backend"}, {"decode": decode},
                       busy=lambda w: w == 8, silent_after_s=0.0)
@@ -198,7 +198,7 @@ def test_a_rebuild_asked_for_while_one_runs_is_not_lost(monkeypatch):
     monkeypatch.setattr(kv_sync, "DUMP_REUSE_S", 0.0)
 
     async def scenario():
-        residency, metrics = Residency(32), RouterMetrics()
+        residency, metrics = Residency(32), RoutingMetrics()
         sync = KvSync(None, residency, metrics, "workers", {"decode": "backend"},
                       {"decode": FakeClient([7])}, busy=lambda w: False)
         source = FakeSource([{"worker_id": 7, "event": stored(0, 0, 2)}])
@@ -231,7 +231,7 @@ def test_without_recovery_live_events_are_the_only_source():
             pass
 
     async def scenario():
-        residency, metrics = Residency(32), RouterMetrics()
+        residency, metrics = Residency(32), RoutingMetrics()
         sync = KvSync(None, residency, metrics, "workers", {"prefill": "prefill", "decode": "backend"},
                       {"decode": FakeClient([7])}, busy=lambda w: False, recovery=False,
                       event_source=FakeEvents)

@@ -16,7 +16,7 @@ from dynamo_ppd.launch import ServeOptions, start
 from dynamo_ppd.launch.launcher import wait_ready
 from dynamo_ppd.launch.process import free_port, stop_all
 from dynamo_ppd.launch.servers import etcd_process
-from dynamo_ppd.router.sessions import decode as decode_session
+from dynamo_ppd.routing.sessions import decode as decode_session
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,7 @@ components:
     env: {DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS: '["generate"]'}
     ready: {http: "http://127.0.0.1:{system_port}/health"}
   - name: router
-    command: ["{python}", "-m", "dynamo_ppd.router", "--model-path", "{model_dir}", "--namespace", "ppd",
+    command: ["{python}", "-m", "dynamo_ppd.relay", "--model-path", "{model_dir}", "--namespace", "ppd",
               "--workers-namespace", "workers", "--nats-url", "{nats_url}",
               "--metrics-port", "{metrics_port}", ROUTER_ARGS]
     env: {DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS: '["generate"]'}

@@ -9,8 +9,8 @@ from collections import deque
 
 import pytest
 
-from dynamo_ppd.router import dispatch
-from dynamo_ppd.router.dispatch import coalesced, merge_waiting
+from dynamo_ppd.relay import dispatch
+from dynamo_ppd.relay.dispatch import coalesced, merge_waiting
 
 pytestmark = pytest.mark.unit
 
@@ -178,7 +178,7 @@ class _Tracker:
 def test_load_reports_are_the_workers_latest_decoded_when_read():
     import msgspec
 
-    from dynamo_ppd.router.load_reports import LoadReports
+    from dynamo_ppd.routing.load_reports import LoadReports
 
     def raw(worker: int, decode: int) -> bytes:
         return msgspec.msgpack.encode({"worker_id": str(worker), "dp_rank": 0,
@@ -200,7 +200,7 @@ def test_load_reports_are_the_workers_latest_decoded_when_read():
 def test_a_decisions_reports_read_every_tracker_once_whatever_the_number_of_workers():
     import msgspec
 
-    from dynamo_ppd.router.load_reports import LoadReports
+    from dynamo_ppd.routing.load_reports import LoadReports
 
     def raw(worker: int, decode: int) -> bytes:
         return msgspec.msgpack.encode({"worker_id": str(worker),

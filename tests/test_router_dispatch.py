@@ -8,11 +8,11 @@ import msgspec
 import pytest
 
 from dynamo_ppd.engine.blocks import dynamo_block_hasher
-from dynamo_ppd.router.args import parse_args
-from dynamo_ppd.router.metrics import RouterMetrics
-from dynamo_ppd.router.router import PpdRouter
-from dynamo_ppd.router.service import build_policy
-from dynamo_ppd.router.sessions import SessionRecord
+from dynamo_ppd.relay.router import PpdRouter
+from dynamo_ppd.routing.args import parse_args
+from dynamo_ppd.routing.metrics import RoutingMetrics
+from dynamo_ppd.routing.sessions import SessionRecord
+from dynamo_ppd.routing.start import build_policy
 
 pytestmark = pytest.mark.unit
 
@@ -49,7 +49,7 @@ def make_router(mode: str = "local", dead: set[int] | None = None, decode: FakeC
                 ) -> PpdRouter:
     """A router over one prefill and two decode workers (``decode``: another decode client)."""
     config = parse_args(["--mode", mode])
-    return PpdRouter(None, config, build_policy(config), RouterMetrics(),
+    return PpdRouter(None, config, build_policy(config), RoutingMetrics(),
                      clients={"prefill": FakeClient([PREFILL], "prefill", dead),
                               "decode": decode or FakeClient([D1, D2], "decode", dead)})
 
@@ -185,7 +185,7 @@ def test_hybrid_places_new_conversations_on_replicas_and_keeps_them_there():
     async def run():
         config = parse_args(["--mode", "ppd", "--replica-component", "replica", "--table", "none"])
         replica = FakeClient([5], "decode")  # the lowest id: the least loaded on a tie
-        router = PpdRouter(None, config, build_policy(config), RouterMetrics(),
+        router = PpdRouter(None, config, build_policy(config), RoutingMetrics(),
                            clients={"prefill": FakeClient([PREFILL], "prefill"),
                                     "decode": FakeClient([D1, D2], "decode"), "replica": replica})
         first = list(range(2000, 2300))

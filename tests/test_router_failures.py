@@ -10,7 +10,7 @@ import asyncio
 import pytest
 from test_router_dispatch import D1, D2, PREFILL, FakeClient, hold, make_router, turn
 
-from dynamo_ppd.router.limits import RequestLimits, parse_card
+from dynamo_ppd.routing.limits import RequestLimits, parse_card
 
 pytestmark = pytest.mark.unit
 

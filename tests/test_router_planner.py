@@ -17,7 +17,7 @@ from dynamo_ppd.policy.decision import (
     WorkerLoad,
 )
 from dynamo_ppd.policy.placement import Routed
-from dynamo_ppd.router.planner import (
+from dynamo_ppd.routing.planner import (
     NoWorkers,
     SessionView,
     TurnView,
@@ -27,7 +27,7 @@ from dynamo_ppd.router.planner import (
     rehome,
     served_home,
 )
-from dynamo_ppd.router.sessions import SessionRecord
+from dynamo_ppd.routing.sessions import SessionRecord
 
 pytestmark = pytest.mark.unit
 

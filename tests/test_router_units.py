@@ -20,8 +20,8 @@ from dynamo_ppd.policy.decision import (
     WorkerLoad,
     score,
 )
-from dynamo_ppd.router.residency import Residency
-from dynamo_ppd.router.sessions import SessionRecord, decode, encode
+from dynamo_ppd.routing.residency import Residency
+from dynamo_ppd.routing.sessions import SessionRecord, decode, encode
 
 pytestmark = pytest.mark.unit
 

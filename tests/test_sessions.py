@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from dynamo_ppd.engine.blocks import prefix_chain
-from dynamo_ppd.router.sessions import (
+from dynamo_ppd.routing.sessions import (
     MAX_SESSION_ID_BYTES,
     SessionRecord,
     SessionTable,
@@ -126,7 +126,7 @@ def test_history_hashes_are_the_same_in_every_process():
 
     history = SYSTEM + [1, 2, 3]
     code = ("from dynamo_ppd.engine.blocks import prefix_chain;"
-            "from dynamo_ppd.router.sessions import history_hashes;"
+            "from dynamo_ppd.routing.sessions import history_hashes;"
             f"h={history!r};c=prefix_chain([hash(tuple(h[i:i+32])) for i in range(0, len(h)//32*32, 32)]);"
             "print(history_hashes(c, h, 32))")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -217,7 +217,7 @@ def test_with_etcd_away_a_header_miss_is_routed_by_residency():
 @pytest.mark.unit
 def test_the_request_rate_is_the_sum_of_the_replicas_fresh_rates():
     from dynamo_ppd.policy.qps import SlidingWindowRate
-    from dynamo_ppd.router.rate_share import RateReport, SharedRate
+    from dynamo_ppd.routing.rate_share import RateReport, SharedRate
 
     mine = SharedRate(SlidingWindowRate(window_s=10.0), router_id="r1", fresh_s=3.0)
     for i in range(40):

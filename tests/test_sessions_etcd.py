@@ -12,8 +12,8 @@ import pytest
 from dynamo_ppd.launch.launcher import wait_ready
 from dynamo_ppd.launch.process import free_port, stop_all
 from dynamo_ppd.launch.servers import etcd_process
-from dynamo_ppd.router.sessions import EtcdSessions, SessionRecord, encode
-from dynamo_ppd.router.sessions import decode as decode_value
+from dynamo_ppd.routing.sessions import EtcdSessions, SessionRecord, encode
+from dynamo_ppd.routing.sessions import decode as decode_value
 
 pytestmark = pytest.mark.e2e
 
@@ -96,7 +96,7 @@ def test_a_turn_soon_after_the_last_refreshes_no_lease_and_a_late_one_does(etcd_
     """One etcd call per turn while the lease is fresh (this replica granted or refreshed it less
     than 10% of the TTL ago), put + refresh after that; a fresh lease revoked behind our back
     (no watch event: the put is the first to find out) is still replaced."""
-    from dynamo_ppd.router import sessions as sessions_module
+    from dynamo_ppd.routing import sessions as sessions_module
 
     async def run():
         sessions = EtcdSessions(etcd_url, prefix="fresh", ttl_s=60)

@@ -1,7 +1,7 @@
 """The TensorRT-LLM path against Dynamo 1.6.1's own `dynamo.trtllm` handler code, without a GPU
 (issue 15).
 
-The router's real outgoing requests (`PpdRouter.generate` -> `router/dispatch.py`) go, through a
+The router's real outgoing requests (`PpdRouter.generate` -> `relay/dispatch.py`) go, through a
 JSON round trip standing in for Dynamo's request plane, to Dynamo's real ``PrefillHandler``,
 ``DecodeHandler`` and ``AggregatedHandler`` (from the installed ai-dynamo 1.6.1 wheel), whose
 engine is ``dynamo.trtllm.engine.TensorRTLLMEngine`` over the fake ``tensorrt_llm.LLM`` of
@@ -31,10 +31,10 @@ from dynamo_ppd.engine.blocks import dynamo_block_hasher
 from dynamo_ppd.engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION, DECODE_NEEDS_PARAMS_ERROR
 from dynamo_ppd.engine.profile import load_profile
 from dynamo_ppd.engine.scheduler import Engine, EngineConfig
-from dynamo_ppd.router.args import parse_args as router_args
-from dynamo_ppd.router.metrics import RouterMetrics
-from dynamo_ppd.router.router import PpdRouter
-from dynamo_ppd.router.service import build_policy
+from dynamo_ppd.relay.router import PpdRouter
+from dynamo_ppd.routing.args import parse_args as router_args
+from dynamo_ppd.routing.metrics import RoutingMetrics
+from dynamo_ppd.routing.start import build_policy
 from dynamo_ppd.worker.args import parse_args as worker_args
 from dynamo_ppd.worker.handler import SimulatedTrtllmHandler
 from dynamo_ppd.worker.live import WallClockEngine
@@ -157,7 +157,7 @@ class WireClient:
                     answer.append(wire(chunk))
                     yield answer[-1]
             except ValueError as exc:  # how Dynamo 1.6.1 hands a handler's ValueError to the
-                # caller (router/dispatch.py's notes): the request's fault
+                # caller (relay/dispatch.py's notes): the request's fault
                 raise ValueError(f"InvalidRequest: ValueError: {exc}") from exc
         return stream()
 
@@ -171,7 +171,7 @@ def make_router(mode: str, prefill=None, decode=None, replica=None) -> PpdRouter
                "decode": WireClient({DECODE: decode} if decode else {})}
     if replica is not None:
         clients["replica"] = WireClient({REPLICA: replica})
-    return PpdRouter(None, config, build_policy(config), RouterMetrics(), clients=clients)
+    return PpdRouter(None, config, build_policy(config), RoutingMetrics(), clients=clients)
 
 
 def frontend_request(tokens: list[int], session: str = "s") -> dict:

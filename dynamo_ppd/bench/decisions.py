@@ -3,8 +3,8 @@
 
 Times the router's real decision path, `Routing.plan_turn`: Dynamo's block hashing of the prompt
 and its prefix ids, the session lookup (by the x-dynamo-session-id header, or by the longest
-known prefix), the residency index's answer for each worker (`router.residency`: a set lookup per
-block), the loads, and the pure `router.planner.plan` (placement and the policy), for follow-up
+known prefix), the residency index's answer for each worker (`routing.residency`: a set lookup per
+block), the loads, and the pure `routing.planner.plan` (placement and the policy), for follow-up
 turns of many conversations whose histories the decode workers hold (their KV events applied
 beforehand). Prints percentiles. No network, no etcd: the session table is filled directly. The
 paper's proxy claims < 1 ms per decision; our goal is p99 < 100 us.
@@ -19,11 +19,11 @@ import statistics
 import time
 
 from ..engine.blocks import dynamo_block_hasher, prefix_chain
-from ..router.args import parse_args
-from ..router.metrics import RouterMetrics
-from ..router.router import PpdRouter
-from ..router.service import build_policy
-from ..router.sessions import SessionRecord, history_hashes
+from ..relay.router import PpdRouter
+from ..routing.args import parse_args
+from ..routing.metrics import RoutingMetrics
+from ..routing.sessions import SessionRecord, history_hashes
+from ..routing.start import build_policy
 
 
 class _Instances:
@@ -38,7 +38,7 @@ def build(num_sessions: int, history_tokens: int, mode: str, seed: int = 0):
     """A router with `num_sessions` conversations spread over 3 decode workers (1 prefill)."""
     config = parse_args(["--mode", mode])
     decode_ids, prefill_ids = [11, 12, 13], [1]
-    router = PpdRouter(None, config, build_policy(config), RouterMetrics(),
+    router = PpdRouter(None, config, build_policy(config), RoutingMetrics(),
                        clients={"decode": _Instances(decode_ids), "prefill": _Instances(prefill_ids)})
     block_hashes = dynamo_block_hasher()
     rng = random.Random(seed)

@@ -2,7 +2,7 @@
 
 The same load through (a) the PPD router (`graphs/ppd.yaml`; ``ppd-lean``: the same with
 `LEAN_ROUTER_ARGS`), (b) the bare pass-through relay (`graphs/relay.yaml`,
-`router/passthrough.py`: every request decode-local, each chunk yielded unchanged; ``relay-pd``:
+`relay/passthrough.py`: every request decode-local, each chunk yielded unchanged; ``relay-pd``:
 the same relay sending the requests the PPD router sends for this load, turn 1 through the
 prefill worker and the follow-up decode-local, with none of its state) and (c)
 Dynamo's frontend-native PD (`graphs/pd.yaml`), each on the same simulated workers, one system at
@@ -69,7 +69,7 @@ RELAY_LABEL = {"ppd": "router", "ppd-lean": "router", "relay": "router", "relay-
 GATEWAY_SYSTEMS = ("picker", "gateway")
 IDLE_S = 3.0  # seconds of no load before each run: every process's idle CPU, subtracted per request
 # ppd-lean: the PPD router without the two subscriptions whose cost follows the workers' activity
-# rather than the tokens relayed (what each gives up: `python -m dynamo_ppd.router --help`).
+# rather than the tokens relayed (what each gives up: `python -m dynamo_ppd.relay --help`).
 LEAN_ROUTER_ARGS = ["--no-load-reports", "--no-residency-recovery"]
 # relay-pd: the bare relay sending the PPD router's requests for this load (turn 1 through the
 # prefill worker, the follow-up decode-local on the same decode worker), without its state.

@@ -6,7 +6,7 @@ and the extra is on Python's main thread. This measures, each against a real ser
 the wheels on loopback, the two pieces of the router's state that it spends most on per
 conversation:
 
-- **sessions**: `router.sessions.EtcdSessions` doing what one conversation of the relay
+- **sessions**: `routing.sessions.EtcdSessions` doing what one conversation of the relay
   benchmark's load makes it do (turn 1: a read-through of its unknown header, the claim, the turn's
   record; turn 2: its record), with the watch delivering each write back, as it does live;
 - **KV events**: messages in Dynamo's KV-event envelope (a msgpack envelope whose payload is a
@@ -36,8 +36,8 @@ import msgspec
 from ..launch.launcher import wait_ready
 from ..launch.process import free_port, stop_all
 from ..launch.servers import etcd_process, nats_process
-from ..router.residency import Residency
-from ..router.sessions import EtcdSessions, SessionRecord
+from ..routing.residency import Residency
+from ..routing.sessions import EtcdSessions, SessionRecord
 
 SUBJECT = "ppd-bench.kv-events"
 IDLE_S = 2.0  # how long the idle CPU is measured before each part

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..router.sessions import EtcdSessions, SessionRecord
+from ..routing.sessions import EtcdSessions, SessionRecord
 
 
 async def measure(etcd_url: str, n: int) -> dict[str, list[float]]:

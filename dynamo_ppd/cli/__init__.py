@@ -149,7 +149,7 @@ def _add_table(sub) -> None:
 
 def _add_router(sub) -> None:
     sub.add_parser("router", help="run the PPD relay router component (same as python -m "
-                   "dynamo_ppd.router; `dynamo-ppd router --help` lists its flags)", add_help=False)
+                   "dynamo_ppd.relay; `dynamo-ppd router --help` lists its flags)", add_help=False)
     sub.add_parser("picker", help="run the PPD endpoint picker, an Envoy ext_proc server (same as "
                    "python -m dynamo_ppd.picker; `dynamo-ppd picker --help` lists its flags)",
                    add_help=False)
@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..model import ModelDirError
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["router"]:  # the router has its own command line (dynamo_ppd/router/args.py)
-        from ..router.service import main as router_main
+    if argv[:1] == ["router"]:  # the router has its own command line (dynamo_ppd/routing/args.py)
+        from ..relay.service import main as router_main
 
         router_main(argv[1:])
         return 0

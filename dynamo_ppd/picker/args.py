@@ -1,5 +1,6 @@
-"""Command line of the endpoint picker (`python -m dynamo_ppd.picker`): the relay router's
-routing flags (mode, weights, table, sessions, residency: one planner, two shells) plus where the
+"""Command line of the endpoint picker (`python -m dynamo_ppd.picker`): the routing
+flags both shells take (`routing.args`: mode, weights, table, sessions, residency; one planner, two
+shells) plus where the
 picker serves ext_proc and which Dynamo frontends it names as destinations."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..router.args import RouterConfig, build_parser, config_from
+from ..routing.args import RoutingConfig, build_parser, config_from
 from .frontends import split_endpoint
 
 
@@ -79,7 +80,7 @@ def build_picker_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, PickerConfig]:
+def parse_args(argv: list[str] | None = None) -> tuple[RoutingConfig, PickerConfig]:
     parser = build_picker_parser()
     a = parser.parse_args(argv)
     if not a.frontend_refresh > 0:

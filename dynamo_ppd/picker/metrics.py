@@ -1,5 +1,5 @@
 """The picker's own metrics, beside the routing metrics it shares with the relay router
-(`router.metrics.RouterMetrics`, one registry, served on --metrics-port)."""
+(`routing.metrics.RoutingMetrics`, one registry, served on --metrics-port)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from collections.abc import Mapping
 
 from prometheus_client import Counter, Histogram, ProcessCollector
 
-from ..router.metrics import RouterMetrics
+from ..routing.metrics import RoutingMetrics
 
 
 class PickerMetrics:
-    def __init__(self, routing: RouterMetrics):
+    def __init__(self, routing: RoutingMetrics):
         registry = routing.registry
         self.requests = Counter("ppd_picker_requests", "Requests the picker answered, by outcome",
                                 ["outcome"], registry=registry)

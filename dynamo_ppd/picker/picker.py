@@ -2,7 +2,7 @@
 
 `Picker.pick` parses the body, tokenizes it as Dynamo's frontend will (`prompt.PromptTokenizer`),
 checks the limits, plans the turn with the relay router's own state and planner
-(`router.routing.Routing.plan_turn`: session, residency, loads, the policy), records the turn in
+(`routing.state.Routing.plan_turn`: session, residency, loads, the policy), records the turn in
 its session (write-behind: nothing on the path waits for etcd), and answers with the frontend to
 send the request to, the headers that carry the route (`route.route_headers`) and the body with
 the prompt's token ids in it, so the frontend does not tokenize it again (`_body_to_send`). It
@@ -30,8 +30,8 @@ import msgspec
 from dynamo.llm.exceptions import InvalidArgument
 
 from ..policy.decision import Route
-from ..router.planner import NoWorkers
-from ..router.routing import Routing, Turn
+from ..routing.planner import NoWorkers
+from ..routing.state import Routing, Turn
 from .frontends import Frontends
 from .prompt import PromptError, PromptTokenizer
 from .route import SESSION_HEADER, route_headers, without_client_pins

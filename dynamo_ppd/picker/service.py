@@ -12,10 +12,10 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..router.args import RouterConfig
-from ..router.metrics import RouterMetrics
-from ..router.routing import Routing
-from ..router.service import build_policy, start_routing
+from ..routing.args import RoutingConfig
+from ..routing.metrics import RoutingMetrics
+from ..routing.start import build_policy, start_routing
+from ..routing.state import Routing
 from ..runtime import create_runtime, run_component
 from .args import PickerConfig, parse_args
 from .extproc import ExtProcService
@@ -30,14 +30,14 @@ log = logging.getLogger("dynamo_ppd.picker")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
-async def serve(configs: tuple[RouterConfig, PickerConfig]) -> None:
+async def serve(configs: tuple[RoutingConfig, PickerConfig]) -> None:
     config, picker_config = configs
     runtime = create_runtime()
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # no endpoint to serve: wait for this instead
         loop.add_signal_handler(sig, stopping.set)
-    metrics = RouterMetrics()
+    metrics = RoutingMetrics()
     picker_metrics = PickerMetrics(metrics)
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.metrics_host)

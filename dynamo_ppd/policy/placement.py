@@ -1,6 +1,6 @@
 """Where a turn runs: the prefill and decode workers, and the policy's route between them.
 
-One pure function set for the live router (`dynamo_ppd.router.router`) and the simulator's PPD
+One pure function set for the live router (`dynamo_ppd.relay.router`) and the simulator's PPD
 router (`dynamo_ppd.policy.simulate.PolicyRouter`), so the simulator tunes what the router runs.
 Each caller gathers the same state (the router from its residency index, its own bookkeeping
 and the workers' load reports; the simulator from its `ClusterView`) into a `ClusterState`, and

@@ -31,7 +31,7 @@ def prefill_queue_tokens(view: ClusterView, worker: str) -> int:
 
 def worker_load(view: ClusterView, worker: str | None, load: LoadSnapshot | None = None,
                 own: Routed | None = None) -> WorkerLoad:
-    """A worker's load as the live router sees it (`dynamo_ppd.router.routing.Loads.of`): for each
+    """A worker's load as the live router sees it (`dynamo_ppd.routing.state.Loads.of`): for each
     figure, its own count of what it routed there (`Routed`) or the worker's report (its engine
     now), whichever is larger. ``load``, ``own``: the worker's snapshot and `routed` counts, if
     the caller has them already."""

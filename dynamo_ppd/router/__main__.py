@@ -1,5 +1,5 @@
-"""`python -m dynamo_ppd.router`: the PPD router component."""
+"""`python -m dynamo_ppd.router`: the old path of `python -m dynamo_ppd.relay` (a shim)."""
 
-from .service import main
+from ..relay.service import main
 
 main()

@@ -123,7 +123,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - {{ $r.metricsPort | quote }}
 {{- end -}}
 
-{{/* The relay router's arguments (after `python3 -m dynamo_ppd.router`), one per line. */}}
+{{/* The relay router's arguments (after `python3 -m dynamo_ppd.relay`), one per line. */}}
 {{- define "ppd.routerArgs" -}}
 {{ include "ppd.policyArgs" . }}
 - --namespace

@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("dynamo_ppd.router.limits")
+log = logging.getLogger("dynamo_ppd.routing.limits")
 
 
 @dataclass

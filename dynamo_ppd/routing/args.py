@@ -1,4 +1,4 @@
-"""Command line of the PPD router (`python -m dynamo_ppd.router`, `dynamo-ppd router`)."""
+"""Command line of the PPD router (`python -m dynamo_ppd.relay`, `dynamo-ppd router`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .sessions import DEFAULT_MAX_SESSIONS
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class RoutingConfig:
     mode: Mode
     local_fraction: float
     w_ttft: float
@@ -67,7 +67,7 @@ def _fraction(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m dynamo_ppd.router",
+        prog="python -m dynamo_ppd.relay",
         description="PPD router: a Dynamo component behind the OpenAI frontend that sends each "
         "turn of a conversation through a prefill worker or straight to the decode worker holding "
         "its history (an append-prefill there).",
@@ -142,12 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> RouterConfig:
+def parse_args(argv: list[str] | None = None) -> RoutingConfig:
     parser = build_parser()
     return config_from(parser, parser.parse_args(argv))
 
 
-def config_from(parser: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
+def config_from(parser: argparse.ArgumentParser, a: argparse.Namespace) -> RoutingConfig:
     """The routing config of parsed arguments (the relay router's and the endpoint picker's)."""
     if not a.speedup > 0:
         parser.error(f"--speedup must be positive, not {a.speedup}")
@@ -158,7 +158,7 @@ def config_from(parser: argparse.ArgumentParser, a: argparse.Namespace) -> Route
             load_table(a.table)
         except TableError as exc:
             parser.error(f"--table: {exc}")
-    return RouterConfig(
+    return RoutingConfig(
         mode=Mode(a.mode), local_fraction=a.local_fraction, w_ttft=a.weights[0], w_tpot=a.weights[1],
         table=a.table, online_correction=a.online_correction, allow_forced_route=a.allow_forced_route,
         profile=a.profile, namespace=a.namespace,

@@ -19,7 +19,7 @@ import msgspec
 from ..policy.qps import SlidingWindowRate
 from ..runtime import stop_task
 
-log = logging.getLogger("dynamo_ppd.router.rate_share")
+log = logging.getLogger("dynamo_ppd.routing.rate_share")
 
 PUBLISH_EVERY_S = 1.0
 FRESH_S = 3.0  # a replica not heard from for this long is gone (stopped, or cut off)

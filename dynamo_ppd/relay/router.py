@@ -1,4 +1,4 @@
-"""The PPD relay router component: the shared routing state (`routing.Routing`) plus the relay.
+"""The PPD relay router component: the shared routing state (`routing.state.Routing`) plus the relay.
 
 Behind Dynamo's frontend, per request: plan the turn (`Routing.plan_turn`: session, residency,
 loads, the pure planner), dispatch it (via P then D, or decode-local on D), stream the answer
@@ -20,13 +20,14 @@ from typing import Any
 from ..engine.blocks import prefix_chain
 from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION, FORCED_ROUTE_ANNOTATION
 from ..policy.decision import Route
-from . import dispatch, planner
-from .planner import NoWorkers
-from .routing import Loads, Routing, Turn
+from ..routing import planner
+from ..routing.planner import NoWorkers
+from ..routing.state import Loads, Routing, Turn
+from . import dispatch
 
 __all__ = ["Loads", "PpdRouter", "Turn"]
 
-log = logging.getLogger("dynamo_ppd.router")
+log = logging.getLogger("dynamo_ppd.relay")
 
 MAX_ATTEMPTS = 3  # workers tried per request: the first, then re-homes and migrations
 

@@ -7,10 +7,10 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-log = logging.getLogger("dynamo_ppd.router.decisions")
+log = logging.getLogger("dynamo_ppd.routing.decisions")
 
 
-class RouterMetrics:
+class RoutingMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.decisions = Counter("ppd_decisions", "Routing decisions", ["route", "turn", "reason"],

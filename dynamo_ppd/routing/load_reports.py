@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-log = logging.getLogger("dynamo_ppd.router")
+log = logging.getLogger("dynamo_ppd.routing")
 
 
 class LoadReports:

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-log = logging.getLogger("dynamo_ppd.router.kv_sync")
+log = logging.getLogger("dynamo_ppd.routing.kv_sync")
 
 START_TIMEOUT_S = 10.0  # how long `start` waits for the thread's connection and subscriptions
 STOP_TIMEOUT_S = 2.0

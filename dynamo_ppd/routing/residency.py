@@ -29,7 +29,7 @@ import msgspec
 
 from ..engine.blocks import ROOT, prefix_id
 
-log = logging.getLogger("dynamo_ppd.router.residency")
+log = logging.getLogger("dynamo_ppd.routing.residency")
 
 REPLAY_EVENTS = 2048  # per worker: events a rebuild replays over the worker's dump (see replace_worker)
 

@@ -1,6 +1,6 @@
 """A bare pass-through relay: the floor the PPD router's hop is measured against.
 
-`python -m dynamo_ppd.router.passthrough` registers the public model like the PPD router does and
+`python -m dynamo_ppd.relay.passthrough` registers the public model like the PPD router does and
 forwards every request to a decode worker, decode-local (``x-bypass-remote-prefill``), yielding
 each of the worker's chunks unchanged: no sessions, no residency, no policy, no bookkeeping. It
 exists only for the relay benchmark (`just bench-relay`, `dynamo_ppd.bench.relay`): what
@@ -30,7 +30,7 @@ from ..engine.handoff import BYPASS_REMOTE_PREFILL_ANNOTATION
 from ..runtime import create_runtime, run_component
 from .dispatch import prefill_leg_request, with_prefill_result
 
-log = logging.getLogger("dynamo_ppd.passthrough")
+log = logging.getLogger("dynamo_ppd.relay.passthrough")
 
 HOMES = 100_000  # sessions whose decode worker --first-turn-via-prefill remembers (oldest forgotten)
 
@@ -90,7 +90,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.router.passthrough", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.relay.passthrough", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", type=Path, default=None, help="local model directory (default: the "
                         "project's, created if missing)")

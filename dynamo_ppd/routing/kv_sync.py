@@ -39,10 +39,10 @@ from collections.abc import Callable
 from typing import Any
 
 from .kv_events import KvEventThread
-from .metrics import RouterMetrics
+from .metrics import RoutingMetrics
 from .residency import Residency, kv_events_subject
 
-log = logging.getLogger("dynamo_ppd.router.kv_sync")
+log = logging.getLogger("dynamo_ppd.routing.kv_sync")
 
 POLL_S = 0.5  # discovery poll: how soon a new worker is rebuilt and a gone one forgotten
 SILENT_AFTER_S = 30.0  # a decode worker busy this long with no KV event ever is "silent"
@@ -87,7 +87,7 @@ class SilenceWatch:
 
 
 class KvSync:
-    def __init__(self, runtime, residency: Residency, metrics: RouterMetrics, namespace: str,
+    def __init__(self, runtime, residency: Residency, metrics: RoutingMetrics, namespace: str,
                  components: dict[str, str], clients: dict[str, Any], busy: Callable[[int], bool],
                  poll_s: float = POLL_S, silent_after_s: float = SILENT_AFTER_S, recovery: bool = True,
                  event_source: Callable[..., Any] = KvEventThread):

@@ -6,7 +6,7 @@ Per turn, `Routing.plan_turn` hashes the prompt, finds its session, reads the re
 the loads into `planner`'s views and returns the pure planner's decision as a `Turn`;
 `Routing.record_turn` writes the turn to its session. Two shells wrap it:
 
-- `router.PpdRouter` (the relay, `python -m dynamo_ppd.router`): behind Dynamo's frontend, it
+- `relay.router.PpdRouter` (the relay, `python -m dynamo_ppd.relay`): behind Dynamo's frontend, it
   dispatches the plan to the workers itself and relays every chunk;
 - `picker.Picker` (the endpoint picker, `python -m dynamo_ppd.picker`): in front of Dynamo's
   frontend, it turns the plan into the headers that pin the frontend's route, and never sees a
@@ -33,11 +33,11 @@ from ..policy.decision import Decision, Policy, Route, WorkerLoad
 from ..policy.qps import SlidingWindowRate
 from ..policy.table import bundled_table, load_table
 from . import planner
-from .args import RouterConfig
+from .args import RoutingConfig
 from .kv_sync import KvSync
 from .limits import RequestLimits, WorkerCards
 from .load_reports import LoadReports
-from .metrics import RouterMetrics, debug_line
+from .metrics import RoutingMetrics, debug_line
 from .rate_share import RatePublisher, SharedRate
 from .residency import Residency, kv_events_subject
 from .sessions import (
@@ -50,7 +50,7 @@ from .sessions import (
     is_fork_of,
 )
 
-log = logging.getLogger("dynamo_ppd.router")
+log = logging.getLogger("dynamo_ppd.routing")
 
 UNREACHABLE_S = 30.0  # a worker that failed is skipped this long (Dynamo's discovery lease TTL)
 
@@ -92,7 +92,7 @@ class Routing:
     ``clients``: the Dynamo endpoint client per role ("prefill", "decode", "replica"); `start`
     makes them from ``runtime`` (tests pass their own and never start)."""
 
-    def __init__(self, runtime, config: RouterConfig, policy: Policy, metrics: RouterMetrics,
+    def __init__(self, runtime, config: RoutingConfig, policy: Policy, metrics: RoutingMetrics,
                  clients: dict[str, Any] | None = None):
         self.runtime = runtime
         self.config = config

@@ -1,8 +1,9 @@
-"""Running the router: Dynamo runtime, public model registration, endpoint, metrics server."""
+"""Starting the routing state a shell wraps (the relay router's, the endpoint picker's): its policy
+from the config, the model clock of a dilated benchmark, the subscriptions, the context window and
+the decode workers' KV capacity from their model cards."""
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -11,14 +12,9 @@ from ..engine.profile import load_profile
 from ..policy.decision import Decision, Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.qps import SlidingWindowRate
 from ..policy.table import load_table
-from ..runtime import create_runtime, run_component
-from .args import RouterConfig, parse_args
+from .args import RoutingConfig
 from .limits import WorkerCards, read_context_window
-from .metrics import RouterMetrics
-from .router import PpdRouter
-from .routing import Routing
-
-log = logging.getLogger("dynamo_ppd.router")
+from .state import Routing
 
 
 class ModelClockPolicy(Policy):
@@ -46,7 +42,7 @@ class ModelClockRate(SlidingWindowRate):
         return super().rate(now * self.speedup)
 
 
-def build_policy(config: RouterConfig) -> Policy:
+def build_policy(config: RoutingConfig) -> Policy:
     """The router's policy; with ``--table PATH`` its table (``auto`` picks one per decision)."""
     predictor = ProfilePredictor(load_profile(config.profile)) if config.mode is Mode.PPD else None
     table = load_table(config.table) if config.table not in ("auto", "none") else None
@@ -76,33 +72,3 @@ async def start_routing(routing: Routing) -> tuple[Path, WorkerCards | None]:
         cards = WorkerCards(routing.limits, discovery_etcd, config.workers_namespace, config.decode_component)
         await cards.start()
     return path, cards
-
-
-async def serve(config: RouterConfig) -> None:
-    from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
-
-    runtime = create_runtime()
-    metrics = RouterMetrics()
-    if config.metrics_port:
-        metrics.serve(config.metrics_port, config.metrics_host)
-    router = PpdRouter(runtime, config, build_policy(config), metrics)
-    path, cards = await start_routing(router)
-    name = config.served_model_name or model_dir.load_model_info(path).served_model_name
-    endpoint = runtime.endpoint(f"{config.namespace}.router.generate")
-    runtime_config = ModelRuntimeConfig()
-    await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, str(path),
-                         name, worker_type=WorkerType.Aggregated, kv_cache_block_size=config.block_size,
-                         runtime_config=runtime_config)
-    log.info("PPD router (mode %s, weights %g,%g) serving %s in %s; workers in %s",
-             config.mode.value, config.w_ttft, config.w_tpot, name, config.namespace,
-             config.workers_namespace)
-    try:
-        await endpoint.serve_endpoint(router.generate, graceful_shutdown=True)
-    finally:
-        if cards is not None:
-            await cards.stop()
-        await router.stop()
-
-
-def main(argv: list[str] | None = None) -> None:
-    run_component(serve, parse_args(argv))

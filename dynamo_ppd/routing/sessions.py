@@ -49,7 +49,7 @@ import msgspec
 
 from ..engine.blocks import ROOT
 
-log = logging.getLogger("dynamo_ppd.router.sessions")
+log = logging.getLogger("dynamo_ppd.routing.sessions")
 
 MAX_SESSION_ID_BYTES = 256  # longer ids get HTTP 400 (10 kB ones were stored once)
 AUTO_PREFIX = "auto-"  # ids of sessions without a header
