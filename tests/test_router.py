@@ -365,3 +365,19 @@ def test_forced_route_is_ignored_without_the_flag(ppd):
                           headers={"x-dynamo-session-id": "no-forcing"}, timeout=30)
     assert response.status_code == 200
     assert decisions(ppd, "via_prefill", "follow_up") == before  # the router decided, not the client
+
+
+def test_the_old_module_path_still_starts_the_relay_router():
+    """Deployments written before the move run `python -m dynamo_ppd.router`: the shim reaches the
+    relay router's own command line (its --help names the new path), and a bad flag fails as it."""
+    import subprocess
+    import sys
+
+    for module in ("dynamo_ppd.router", "dynamo_ppd.relay"):
+        done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "usage: python -m dynamo_ppd.relay" in done.stdout and "--weights" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "dynamo_ppd.router", "--mode", "nonsense"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "invalid choice: 'nonsense'" in bad.stderr
