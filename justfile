@@ -60,7 +60,7 @@ tables:
 
 # The paper's Table 1, Table 3, Fig. 5 and Fig. 6 on the simulated H100 cluster -> docs/results.md.
 reproduce *args:
-    uv run python -m dynamo_ppd.bench.reproduce {{args}}
+    uv run python -m dynamo_ppd.paper.reproduce {{args}}
 
 # Faults: decode/prefill SIGKILL, router/etcd/NATS restart, one per supervised graph, at 2 conv/s
 # WildChat-like (see `dynamo-ppd chaos --help`).

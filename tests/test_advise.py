@@ -1,4 +1,4 @@
-"""`dynamo-ppd advise` (`dynamo_ppd.bench.advise`, `dynamo_ppd.cli.advise`): the candidates it
+"""`dynamo-ppd advise` (`dynamo_ppd.advisor.advise`, `dynamo_ppd.cli.advise`): the candidates it
 weighs, the Pareto front, the choice and its margin, and a whole run on the virtual clock."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from dynamo_ppd.bench import advise
-from dynamo_ppd.bench.advise import Measured, Slo
+from dynamo_ppd.advisor import advise
+from dynamo_ppd.advisor.advise import Measured, Slo
 from dynamo_ppd.cli import main
 
 pytestmark = pytest.mark.unit

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dynamo_ppd.bench.calibrate import (
+from dynamo_ppd.calibration.fit import (
     CONSTANTS,
     CalibrationError,
     MeasuredChunk,

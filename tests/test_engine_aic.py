@@ -15,8 +15,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from dynamo_ppd.bench import aic
-from dynamo_ppd.bench.calibrate import CONSTANTS
+from dynamo_ppd.calibration import aic
+from dynamo_ppd.calibration.fit import CONSTANTS
 from dynamo_ppd.cli import main as cli_main
 from dynamo_ppd.engine import CostModel, PrefillChunk, load_profile
 
@@ -231,7 +231,7 @@ def test_shipped_profiles_are_the_refit_and_meet_the_target(name):
 
 
 def test_a_bandwidth_bound_holds_and_the_other_constants_refit_around_it():
-    from dynamo_ppd.bench.calibrate import calibrate
+    from dynamo_ppd.calibration.fit import calibrate
 
     answers = shipped_points(PROFILES[0])
     base = with_constants(load_profile(PROFILES[0]), **PRE_REFIT)

@@ -8,10 +8,11 @@ import json
 import msgspec
 import pytest
 
-from dynamo_ppd.bench import fidelity, paper
-from dynamo_ppd.bench.paper_data import COLUMNS, bundled_points, by_key, parse_points
 from dynamo_ppd.cli import main as cli_main
 from dynamo_ppd.engine import load_profile
+from dynamo_ppd.paper import fidelity
+from dynamo_ppd.paper import protocol as paper
+from dynamo_ppd.paper.measured import COLUMNS, bundled_points, by_key, parse_points
 
 pytestmark = pytest.mark.unit
 

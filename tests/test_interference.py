@@ -11,9 +11,9 @@ import json
 import msgspec
 import pytest
 
-from dynamo_ppd.bench import interference
-from dynamo_ppd.bench import interference_paper as paper
 from dynamo_ppd.engine import load_profile
+from dynamo_ppd.paper import interference
+from dynamo_ppd.paper import interference_paper as paper
 
 pytestmark = pytest.mark.unit
 

@@ -5,9 +5,15 @@ Layers, lowest first (a module may import its own layer or a lower one, never a 
 1. core: pure code, no network, processes, servers or printing shells (engine model, simulator,
    workloads, policy, argparse types);
 2. adapters at the edge: Dynamo, NATS, etcd, HTTP, child processes (runtime, model directory,
-   the simulated worker's shell, the router, the launcher);
-3. experiments and measuring: the benchmarks, table builds, reproduction, chaos runs;
-4. the command line.
+   the simulated worker's shell, the routing state and its two shells, the gateway, the launcher);
+3-6. experiments and measuring, by what they measure:
+   3. what every experiment shares (`experiment`: intervals, progress, plots);
+   4. the paper and the engine model (`paper`: reproduction and fidelity; `calibration`);
+   5. the simulator's studies and the advisor (`studies`, `advisor`: they may run the paper's
+      protocol);
+   6. live deployments (`bench`; `tables` and `chaos` play through its client, `bench compare`
+      names its simulated twins by the studies' policy names);
+7. the command line.
 
 The checker is a small AST walk over the source (no module is imported, so a forbidden import
 cannot hide behind an import error); every import counts, the lazy ones inside functions too,
@@ -29,8 +35,10 @@ import dynamo_ppd
 
 pytestmark = pytest.mark.unit
 
-CORE, ADAPTER, EXPERIMENT, CLI = 1, 2, 3, 4
-LAYER_NAMES = {CORE: "core", ADAPTER: "adapter", EXPERIMENT: "experiment", CLI: "cli"}
+CORE, ADAPTER, SHARED, MODEL_CHECKS, STUDIES, LIVE, CLI = 1, 2, 3, 4, 5, 6, 7
+LAYER_NAMES = {CORE: "core", ADAPTER: "adapter", SHARED: "experiments' shared tools",
+               MODEL_CHECKS: "paper and engine checks", STUDIES: "simulated studies",
+               LIVE: "live measurement", CLI: "cli"}
 
 # The layer of each module, by dotted prefix (the longest declared prefix wins). A module whose
 # name no entry covers fails `test_every_module_has_a_layer`: a new package says where it sits.
@@ -50,8 +58,14 @@ LAYERS = {
     "dynamo_ppd.picker": ADAPTER,
     "dynamo_ppd.gateway": ADAPTER,
     "dynamo_ppd.launch": ADAPTER,
-    "dynamo_ppd.bench": EXPERIMENT,
-    "dynamo_ppd.chaos": EXPERIMENT,
+    "dynamo_ppd.experiment": SHARED,
+    "dynamo_ppd.paper": MODEL_CHECKS,
+    "dynamo_ppd.calibration": MODEL_CHECKS,
+    "dynamo_ppd.studies": STUDIES,
+    "dynamo_ppd.advisor": STUDIES,
+    "dynamo_ppd.bench": LIVE,
+    "dynamo_ppd.tables": LIVE,
+    "dynamo_ppd.chaos": LIVE,
     "dynamo_ppd.cli": CLI,
     "dynamo_ppd.__main__": CLI,
 }
@@ -281,6 +295,21 @@ SHELL_USERS = ("dynamo_ppd.cli", "dynamo_ppd.launch", "dynamo_ppd.bench", "dynam
 
 def test_only_the_cli_the_graphs_and_the_benchmarks_import_a_shell():
     assert shell_imports(PACKAGE, SHELLS, SHELL_USERS) == []
+
+
+def package_lines(root: Path) -> dict[str, int]:
+    """Lines of source per top-level unit (`package_of`), subpackages counted with their parent."""
+    lines: dict[str, int] = {}
+    for path in root.rglob("*.py"):
+        unit = package_of(module_name(root, path), root.name)
+        lines[unit] = lines.get(unit, 0) + len(path.read_text().splitlines())
+    return lines
+
+
+def test_no_package_holds_more_than_a_fifth_of_the_code():
+    lines = package_lines(PACKAGE)
+    total = sum(lines.values())
+    assert {unit: n for unit, n in lines.items() if n > 0.2 * total} == {}
 
 
 def test_core_imports_no_io_or_server_library():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynamo_ppd.bench import paper_data as pdata
+from dynamo_ppd.paper import measured as pdata
 from dynamo_ppd.workloads.generators import PAPER_QPS, PAPER_WORKLOADS
 
 pytestmark = pytest.mark.unit

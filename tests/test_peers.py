@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dynamo_ppd.bench.paper import run_protocol
 from dynamo_ppd.engine import LoadSnapshot, load_profile
+from dynamo_ppd.paper.protocol import run_protocol
 from dynamo_ppd.sim.assignment import DecodeLocal, Replica, RoutingError, SimRequestFeatures, ViaPrefill
 from dynamo_ppd.sim.peers import (
     PEER_ROUTERS,

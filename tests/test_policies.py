@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from dynamo_ppd.bench import policies
-from dynamo_ppd.bench.policies import PolicyPoint, score, standings, summarize_standings
 from dynamo_ppd.cli import main as cli_main
+from dynamo_ppd.studies import policies
+from dynamo_ppd.studies.policies import PolicyPoint, score, standings, summarize_standings
 
 
 def point(policy: str, ttft: float, tpot: float, success: float = 100.0) -> PolicyPoint:

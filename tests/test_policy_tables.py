@@ -11,7 +11,6 @@ import json
 import msgspec
 import pytest
 
-from dynamo_ppd.bench.table_build import build_sim_table
 from dynamo_ppd.engine import load_profile
 from dynamo_ppd.policy.decision import (
     Calibration,
@@ -37,6 +36,7 @@ from dynamo_ppd.policy.table import (
     validate,
 )
 from dynamo_ppd.sim import conversation as sim
+from dynamo_ppd.tables.build import build_sim_table
 from dynamo_ppd.workloads.generators import PAPER_QPS, PAPER_T1, PAPER_T2, paper_arrivals
 
 pytestmark = pytest.mark.unit
@@ -183,7 +183,7 @@ def test_calibration_follows_observed_outcomes():
 
 @pytest.mark.slow
 def test_online_correction_beats_the_pure_table_on_a_hot_decode_worker():
-    from dynamo_ppd.bench.table_evaluate import MARGIN, compare, weighted
+    from dynamo_ppd.tables.evaluate import MARGIN, compare, weighted
 
     table = reweight(load_table(bundled_table("1P3D")), Weights(1, 3))
     results = compare(table, seconds=20, seed=0, scenarios=("hot-decode", "drift"))

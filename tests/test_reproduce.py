@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dynamo_ppd.bench import paper_data as pdata
-from dynamo_ppd.bench import reproduce as rep
+from dynamo_ppd.paper import measured as pdata
+from dynamo_ppd.paper import reproduce as rep
 
 pytestmark = pytest.mark.unit
 

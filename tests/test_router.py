@@ -331,9 +331,9 @@ def test_etcd_outage_routing_continues_and_sessions_resync(model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_live_table_build_drives_the_router_forced_routes(model_dir, tmp_path):
-    from dynamo_ppd.bench.table_live import build_live_table
     from dynamo_ppd.policy.grid import ContextClass, GridSpec, WorkloadClass
     from dynamo_ppd.policy.table import Weights, validate
+    from dynamo_ppd.tables.live import build_live_table
 
     dep = deploy(tmp_path, model_dir, mode="ppd", decode=2, router_args=("--allow-forced-route",))
     try:

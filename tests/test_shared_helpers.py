@@ -10,10 +10,10 @@ import pytest
 
 from dynamo_ppd.argtypes import cli_error, positive_float, positive_int, positive_seconds
 from dynamo_ppd.bench.client import chat_body, chat_stream, stream_chat
-from dynamo_ppd.bench.progress import Progress
 from dynamo_ppd.engine.cost import TransferLink
 from dynamo_ppd.engine.handoff import decode_leg, prefill_leg, ship_prompt_kv
 from dynamo_ppd.engine.scheduler import RequestKind
+from dynamo_ppd.experiment.progress import Progress
 
 pytestmark = pytest.mark.unit
 

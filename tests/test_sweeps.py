@@ -12,8 +12,11 @@ from concurrent.futures import Future
 import msgspec
 import pytest
 
-from dynamo_ppd.bench import policies, saturation, sweep_report
-from dynamo_ppd.bench.policy_points import (
+from dynamo_ppd.cli import main as cli_main
+from dynamo_ppd.sim import conversation as sim
+from dynamo_ppd.sim.run import InFlightTurn, RequestRecord, SimResult
+from dynamo_ppd.studies import policies, saturation, sweep_report
+from dynamo_ppd.studies.policy_points import (
     BOOTSTRAP_RESAMPLES,
     PolicyPoint,
     gpu_count,
@@ -21,9 +24,6 @@ from dynamo_ppd.bench.policy_points import (
     sweep_figures,
     tokens_per_sec_per_gpu,
 )
-from dynamo_ppd.cli import main as cli_main
-from dynamo_ppd.sim import conversation as sim
-from dynamo_ppd.sim.run import InFlightTurn, RequestRecord, SimResult
 from dynamo_ppd.workloads import generators as wl
 from dynamo_ppd.workloads.manifest import context_tokens, dump_manifest
 

@@ -44,6 +44,7 @@ from pathlib import Path
 import msgspec
 
 from ..argtypes import cli_error, comma_choices, positive_floats, positive_int, positive_seconds
+from ..experiment.progress import Progress
 from ..launch import ServeOptions, start
 from ..launch.graph import Component, ReadyCheck, load_graph
 from ..launch.process import free_port
@@ -53,7 +54,6 @@ from . import results as res
 from . import routes, sizing
 from .client import run_manifest
 from .cpu import CpuMeter
-from .progress import Progress
 
 SYSTEMS = ("agg", "pd", "cond-disagg", "local", "ppd", "local-relay", "ppd-relay")
 # ppd / local: the endpoint picker (`graphs/ppd.yaml`); *-relay: the relay router (`ppd-relay`).

@@ -30,10 +30,10 @@ from pathlib import Path
 import httpx
 
 from ..argtypes import positive_int
+from ..experiment.stats import paired_difference
 from ..launch import ServeOptions, start
 from ..launch.process import free_port
 from .compare import ppd_graph_with_mode
-from .stats import paired_difference
 
 SYSTEMS = ("pd", "ppd")
 LABELS = {"pd": "Dynamo frontend PD (pd graph)", "ppd": "frontend + PPD router, --mode pd"}

@@ -14,9 +14,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from ..experiment import plots
+from ..experiment.stats import Interval, bootstrap
 from ..picker.stages import STAGES
-from . import plots
-from .stats import Interval, bootstrap
 
 REPORT_VERSION = 1
 GRPC = "grpc"  # round trip - path: both gRPC ends, the loopback transport, the driver's scheduling

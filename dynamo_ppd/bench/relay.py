@@ -45,6 +45,7 @@ import httpx
 import msgspec
 
 from ..argtypes import positive_floats
+from ..experiment.stats import paired_difference
 from ..launch import ServeOptions, start
 from ..launch.graph import load_graph
 from ..launch.process import free_port
@@ -52,7 +53,6 @@ from ..workloads.manifest import Manifest, ManifestConversation, ManifestHeader,
 from .client import run_manifest
 from .compare import ppd_graph_with_mode
 from .cpu import process_cpu_s, thread_cpu_s
-from .stats import paired_difference
 
 WORKLOAD = "syn-a-in32-out512"
 FIRST_TURN = (512, 128)  # (user tokens, max tokens)

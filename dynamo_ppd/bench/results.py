@@ -9,7 +9,7 @@ requests (the paper's distinction: only follow-ups can be decode-local); TPOT = 
 A dilated point (`dynamo_ppd.bench.client`) is in model seconds and says its dilation; a point
 cut at a horizon leaves the requests running then out (``cut`` counts them). Each point keeps
 its successful requests' TTFT and TPOT per conversation (``samples``) so that every figure and
-every ratio in the table gets a 95% bootstrap interval over conversations (`dynamo_ppd.bench.stats`),
+every ratio in the table gets a 95% bootstrap interval over conversations (`dynamo_ppd.experiment.stats`),
 and, when `bench compare` simulated the same manifest on the virtual clock, the simulation's
 samples too (``sim_samples``): live against virtual, per system.
 """
@@ -21,10 +21,11 @@ from pathlib import Path
 
 import msgspec
 
+from ..experiment import plots
+from ..experiment import stats as bs
 from ..sim.outcome import CHAT_TIMEOUT_S, Outcome, TurnResult
 from ..sim.outcome import summarize as summarize_outcome
-from . import plots, routes
-from . import stats as bs
+from . import routes
 from .client import RequestResult
 
 # 2: a point carries the Outcome (`dynamo_ppd.sim.outcome`) instead of its own TTFT/TPOT stats.

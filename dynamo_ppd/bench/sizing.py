@@ -26,11 +26,11 @@ import msgspec
 
 from .. import model
 from ..engine.profile import DEFAULT_PROFILE, load_profile
+from ..experiment import stats as bs
 from ..sim.cluster import Cluster
 from ..sim.outcome import CHAT_TIMEOUT_S, Outcome, TurnResult, summarize
 from ..sim.run import simulate
 from ..workloads.manifest import Manifest, to_sim
-from . import stats as bs
 from .results import Sample, by_conversation
 
 SIM_POLICY = {"pd": "x0", "cond-disagg": "dynamo-isl-or-load-ours", "ppd": "ppd@1", "local": "x1",
@@ -56,7 +56,7 @@ def sim_router(profile, config: str, system: str, seed: int = 0):
     from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
     from ..policy.simulate import PolicyRouter
     from ..policy.table import Weights, bundled_table, load_table, reweight
-    from .policies import router_for
+    from ..studies.policies import router_for
 
     system = SAME_TWIN.get(system, system)
     if system == "ppd" and not bundled_table(config).is_file():

@@ -107,11 +107,11 @@ def _add_engine(sub) -> None:
     esub = p.add_subparsers(dest="engine_command", required=True, metavar="{profiles,calibrate,aic}")
     esub.add_parser("profiles", help="list the bundled engine profiles and what they derive",
                     description="List bundled engine profiles with derived KV capacity and timings.")
-    from ..bench import aic, calibrate
+    from ..calibration import aic, fit
 
-    calibrate.add_arguments(esub.add_parser(
+    fit.add_arguments(esub.add_parser(
         "calibrate", help="fit a profile's cost constants to measured iteration timings",
-        description=calibrate.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+        description=fit.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     aic.add_arguments(esub.add_parser(
         "aic", help="compare a profile's cost model with NVIDIA AIConfigurator's TensorRT-LLM "
         "predictions and refit its constants to them",
@@ -122,13 +122,15 @@ def _add_sim(sub) -> None:
     p = sub.add_parser("sim", help="virtual-clock simulation of the engine model")
     ssub = p.add_subparsers(dest="sim_command", required=True,
                             metavar="{run,interference,paper,fidelity,compare}")
-    from ..bench import fidelity, interference, paper, policies
+    from ..paper import fidelity, interference, protocol
+    from ..studies import policies
     from . import sim as run
 
     commands = [
         ("run", run, "simulate a multi-turn workload on a P/D cluster with a routing mode"),
         ("interference", interference, "decode slowdown under full vs append prefills (paper Fig. 2/7/8)"),
-        ("paper", paper, "the paper authors' benchmark on a simulated configuration, as their CSV's columns"),
+        ("paper", protocol, "the paper authors' benchmark on a simulated configuration, as their "
+         "CSV's columns"),
         ("fidelity", fidelity, "simulated vs the paper's measured H100 points: errors, success, "
          "decode-local share"),
         ("compare", policies, "every P/D policy (ours, the peers', fixed rules) on one simulated cluster: "
@@ -258,12 +260,12 @@ def _model(args) -> int:
 
 
 def _engine(args) -> int:
-    from ..bench import aic, calibrate
+    from ..calibration import aic, fit
     from ..engine.cost import CostModel, PrefillChunk
     from ..engine.profile import bundled_profiles, load_profile
 
     if args.engine_command == "calibrate":
-        return calibrate.main(args)
+        return fit.main(args)
     if args.engine_command == "aic":
         return aic.main(args)
     print(f"{'profile':<20}{'hardware':<26}{'KV blocks':>10}{'KV tokens':>11}{'TPOT b=1':>10}"
@@ -309,10 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "engine":
             return _engine(args)
         if args.command == "sim":
-            from ..bench import fidelity, interference, paper, policies
+            from ..paper import fidelity, interference, protocol
+            from ..studies import policies
             from . import sim as run
 
-            mains = {"run": run.main, "interference": interference.main, "paper": paper.main,
+            mains = {"run": run.main, "interference": interference.main, "paper": protocol.main,
                      "fidelity": fidelity.main, "compare": policies.main}
             return mains[args.sim_command](args)
         if args.command == "table":

@@ -1,5 +1,5 @@
 """`dynamo-ppd advise`: the deployment and PPD weights to run for a workload on N GPUs, from the
-virtual-clock simulation of every candidate (`dynamo_ppd.bench.advise` says which and how it
+virtual-clock simulation of every candidate (`dynamo_ppd.advisor.advise` says which and how it
 chooses). Progress on stderr; the table, the Pareto front and the recommendation on stdout;
 ``--json`` and ``--plot`` write them to files."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import msgspec
 
+from ..advisor import advise
 from ..argtypes import cli_error, positive_floats, positive_int
-from ..bench import advise
-from ..bench.progress import Progress
 from ..engine.profile import DEFAULT_PROFILE, LINK_PRESETS, ProfileError, load_profile
+from ..experiment.progress import Progress
 from ..sim.outcome import CHAT_TIMEOUT_S
 from ..workloads.generators import WORKLOADS, UnknownWorkload, make_workload
 from ..workloads.manifest import Manifest, ManifestError, load_manifest
@@ -118,7 +118,7 @@ def format_table(points: list[advise.Measured], front: list[advise.Measured], be
 
 def _plot(path: Path, points: list[advise.Measured], front: list[advise.Measured],
           best: advise.Measured | None, title: str) -> None:
-    from ..bench import plots
+    from ..experiment import plots
 
     plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 5))

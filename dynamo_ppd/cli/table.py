@@ -164,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
         if args.table_command == "build":
             return _build(args)
         if args.table_command == "evaluate":
-            from ..bench.table_evaluate import main as evaluate_main
+            from ..tables.evaluate import main as evaluate_main
 
             return evaluate_main(load_table(resolve(args.table)), args.seconds, args.seed)
         table = load_table(resolve(args.table))
@@ -187,12 +187,12 @@ def _build(args) -> int:
         if not args.url:
             return cli_error("--backend live needs --url of a running deployment "
                              "(dynamo-ppd serve ppd prints it)")
-        from ..bench.table_live import build_live_table
+        from ..tables.live import build_live_table
 
         table = build_live_table(args.url, args.config, args.weights,
                                  seconds_per_cell=args.seconds_per_cell, seed=args.seed, profile=args.profile)
     else:
-        from ..bench.table_build import build_sim_table
+        from ..tables.build import build_sim_table
 
         table = build_sim_table(args.profile, args.config, args.weights,
                                 seconds_per_cell=args.seconds_per_cell, seed=args.seed, jobs=args.jobs)

@@ -6,7 +6,7 @@ the cluster), `cluster` holds the workers, their KV links and the event loop, `a
 a router sees and answers, `routing` the built-in routers (`peers`: the peers' P/D policies), `run`
 drives conversations through a cluster and `outcome` summarizes them. Pure: no I/O; the
 `dynamo-ppd sim run` command line is `dynamo_ppd.cli.sim`, the interference micro-benchmark
-`dynamo_ppd.bench.interference`.
+`dynamo_ppd.paper.interference`.
 """
 
 from .assignment import Assignment, DecodeLocal, Replica, RoutingError, SimRequestFeatures, ViaPrefill

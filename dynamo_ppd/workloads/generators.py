@@ -121,7 +121,7 @@ def _fixed_plan(first: tuple[int, int], follow_up: tuple[int, int], turns: int,
 # Exactly the authors' benchmark (freelulul/vllm-ppd, ppd/scripts/benchmark/
 # comprehensive_benchmark.py at commit baaceea6: T1_CONFIGS, T2_CONFIGS, QPS_POINTS,
 # DURATION_PER_POINT_SEC, REQUEST_TIMEOUT_SEC, TEST_POINT_TIMEOUT_SEC, run_benchmark_point_inner),
-# which produced the measurements in `dynamo_ppd/bench/data/paper_comprehensive.csv`.
+# which produced the measurements in `dynamo_ppd/paper/data/paper_comprehensive.csv`.
 
 PAPER_T1: dict[str, tuple[int, int]] = {"small": (128, 128), "large": (1024, 1024)}
 """First turn (prompt tokens, output tokens): the history a follow-up appends to."""

@@ -47,6 +47,9 @@ import msgspec
 
 from ..argtypes import cli_error, comma_choices, positive_floats, positive_int
 from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, link_preset, load_profile
+from ..experiment import plots
+from ..experiment.progress import Progress
+from ..paper.protocol import simulate_point
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
 from ..policy.table import CONFIGS, Weights, bundled_table, load_table, reweight
@@ -56,10 +59,8 @@ from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, Outcome
 from ..sim.routing import fraction_router, local_router, paper_proxy_router, parse_paper_config, pd_router
 from ..workloads.generators import PAPER_QPS, PAPER_WORKLOADS, make_workload, paper_workload
 from ..workloads.manifest import to_sim
-from . import plots, saturation, sweep_report
-from .paper import simulate_point
+from . import saturation, sweep_report
 from .policy_points import TIE, PolicyPoint, measured_replicas_against_pd, outcome_of, score, sweep_figures
-from .progress import Progress
 
 LINKS = ("intra-node", "cross-node")
 CHAT_WORKLOADS = ("wildchat", "sharegpt")
@@ -335,8 +336,8 @@ def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0
              "`w_ttft (TTFT_B - TTFT_A)/TTFT_B - w_tpot (TPOT_A - TPOT_B)/TPOT_B` on turn-2+ mean TTFT "
              "(failed follow-ups at the timeout) and turn-2+ mean TPOT; missing the 95% success bar "
              "where B does not is a loss. A policy's score at a point is against the best other "
-             f"policy there; |score| <= {TIE} is a tie. Module docstring of `dynamo_ppd/bench/policies.py`: "
-             "every policy and its source.", ""]
+             f"policy there; |score| <= {TIE} is a tie. Module docstring of "
+             "`dynamo_ppd/studies/policies.py`: every policy and its source.", ""]
     lines += ["## PPD at a glance", "",
               "PPD at each weight against the best other policy: among all of them, and among those that "
               f"run the P/D workers as they are (without {', '.join(OTHER_DEPLOYMENTS)}, which turn "
@@ -357,7 +358,7 @@ def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0
     if any(p.policy == "replicas" for p in report.points):
         measured = measured_replicas_against_pd()
         lines += ["", "For replicas beside P/D, the paper authors' own H100 measurements (bundled, "
-                  "`dynamo_ppd/bench/data`), scored the same way at weights 1,1, each P/D configuration "
+                  "`dynamo_ppd/paper/data`), scored the same way at weights 1,1, each P/D configuration "
                   "against 4R: "
                   + "; ".join(f"{c} {w} wins, {t} ties, {lo} losses" for c, w, t, lo in measured)
                   + ". Four aggregated GPUs decode with four; a P/D split decodes with its D GPUs only."]
@@ -444,7 +445,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default: all {len(workloads)})")
     parser.add_argument("--rates", type=positive_floats("rates"), default=list(PAPER_QPS), metavar="LIST",
                         help="conversation rates of the grid's workloads (default: the paper's 10); the "
-                        "swept workloads climb their own ladders (dynamo_ppd/bench/saturation.py)")
+                        "swept workloads climb their own ladders (dynamo_ppd/studies/saturation.py)")
     parser.add_argument("--sweep-links", type=comma_choices("link", list(LINKS)), default=[SWEEP_LINK],
                         metavar="LIST",
                         help=f"KV link presets of the swept workloads (default: {SWEEP_LINK}, the "

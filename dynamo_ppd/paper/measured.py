@@ -21,7 +21,7 @@ import msgspec
 from msgspec import Meta
 
 from ..engine.profile import NonNegative
-from ..sim.routing import parse_paper_config  # the one parser of the paper's config names
+from ..sim.routing import parse_paper_config
 from ..workloads.generators import PAPER_WORKLOADS
 
 BUNDLED_CSV = Path(__file__).parent / "data" / "paper_comprehensive.csv"

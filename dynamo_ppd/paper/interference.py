@@ -67,8 +67,8 @@ import msgspec
 from ..argtypes import cli_error, positive_int
 from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, load_profile
 from ..engine.scheduler import Engine, EngineRequest, TokenOutput
+from ..experiment import plots
 from . import interference_paper as paper
-from . import plots
 from .interference_paper import InterferencePoint
 
 Kind = Literal["full", "append"]

@@ -1,12 +1,12 @@
 """One policy at one point of `dynamo-ppd sim compare`, the paper's score between two, and the
-figures the load sweeps add (`dynamo_ppd.bench.saturation`): P50/P99 turn-2+ TTFT and TPOT with
+figures the load sweeps add (`dynamo_ppd.studies.saturation`): P50/P99 turn-2+ TTFT and TPOT with
 their bootstrap replicates, and output throughput per GPU.
 
 Kept apart from `policies` (the command) so that the sweep's report (`sweep_report`) reads
 points and scores without importing the command that runs them.
 
 Intervals: a sweep point keeps, for each figure, its value in each of ``BOOTSTRAP_RESAMPLES``
-cluster-bootstrap resamples of the point's conversations (as `dynamo_ppd.bench.stats` resamples:
+cluster-bootstrap resamples of the point's conversations (as `dynamo_ppd.experiment.stats` resamples:
 whole conversations, since a conversation's turns share a history and a worker). Resample b
 draws its conversations from one seeded generator over the point's conversation ids, so at two
 points that ran the same conversations (two policies at one workload, rate and seed) the b-th
@@ -22,10 +22,10 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
+from ..experiment.stats import LEVEL, Interval
 from ..sim.cluster import parse_config
 from ..sim.outcome import SUCCESS_BAR, Outcome
 from ..sim.run import SimResult
-from .stats import LEVEL, Interval
 
 TIE = 0.02  # |score| at or below it is a tie
 BOOTSTRAP_RESAMPLES = 200  # per sweep point: the JSON keeps every one, so not stats.RESAMPLES
@@ -101,7 +101,7 @@ def measured_replicas_against_pd() -> list[tuple[str, int, int, int]]:
     """The paper authors' own H100 measurements (bundled): each P/D configuration against 4R at
     weights 1,1, scored as here ((config, wins, ties, losses) over the points both completed):
     how much of replicas' lead is the hardware's, not the simulator's."""
-    from .paper_data import bundled_points
+    from ..paper.measured import bundled_points
 
     by_key = {(p.config, p.workload, p.qps): p for p in bundled_points()}
     out = []

@@ -38,8 +38,8 @@ import numpy as np
 
 from ..argtypes import cli_error
 from ..engine.profile import EngineProfile, ProfileError, dump_profile, load_profile
-from . import plots
-from .calibrate import (
+from ..experiment import plots
+from .fit import (
     CONSTANTS,
     MeasuredChunk,
     MeasuredPoint,

@@ -13,10 +13,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from ..engine.profile import EngineProfile, load_profile
+from ..experiment.progress import Progress
 from ..policy.grid import GridSpec, cell_order, default_grid
 from ..policy.simulate import measure_cell
 from ..policy.table import TABLE_FORMAT_VERSION, BuildInfo, Cell, Measurement, PpdTable, Weights, decide
-from .progress import Progress
 
 
 def _measure(args: tuple) -> tuple[tuple[str, str, float], Measurement, Measurement]:

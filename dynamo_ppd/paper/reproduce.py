@@ -30,6 +30,7 @@ import msgspec
 
 from ..argtypes import positive_floats, positive_int
 from ..engine.profile import EngineProfile, ProfileError, load_profile
+from ..experiment import plots
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
 from ..policy.table import CONFIGS, Weights, bundled_table, load_table, reweight
@@ -37,9 +38,8 @@ from ..sim.cluster import Router, parse_config
 from ..sim.outcome import paper_columns
 from ..sim.routing import paper_proxy_router, parse_paper_config
 from ..workloads.generators import PAPER_WORKLOADS
-from . import paper_data as pdata
-from . import plots
-from .paper import PAPER_PROFILE, run_protocol
+from . import measured as pdata
+from .protocol import PAPER_PROFILE, run_protocol
 
 # The measured x=0 / x=1 twins of our configurations (2P_2D and its twins are kept back).
 MEASURED = {"1P3D": ("1P_3D", "1P_3pD"), "3P1D": ("3P_1D", "3P_1pD")}
@@ -389,7 +389,7 @@ def _workloads(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.bench.reproduce", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dynamo_ppd.paper.reproduce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default=PAPER_PROFILE,
                         help="engine profile of the simulated cluster: a bundled name or a YAML path "
@@ -440,10 +440,10 @@ def main(argv: list[str] | None = None) -> int:
 
 RESULTS_TEMPLATE = """# The paper's results: simulated beside measured
 
-Produced by `just reproduce` (`python -m dynamo_ppd.bench.reproduce`) in {minutes:.1f} minutes
+Produced by `just reproduce` (`python -m dynamo_ppd.paper.reproduce`) in {minutes:.1f} minutes
 ({points} simulated points, {jobs} processes, 2 shared cores). Simulated: the virtual-clock
 cluster of `dynamo_ppd.sim` with the engine profile `{profile}`; the PPD policy reads
-{tables}. Measured: the paper's own H100 runs (`dynamo_ppd/bench/data/paper_comprehensive.csv`,
+{tables}. Measured: the paper's own H100 runs (`dynamo_ppd/paper/data/paper_comprehensive.csv`,
 from the authors' repository; vLLM, Llama-3.1-8B, one node of 4 H100s, their proxy).
 
 Both sides use the paper's workloads and protocol (docs/manifest.md): the 18 workloads

@@ -37,7 +37,7 @@ import msgspec
 
 from ..engine.profile import EngineProfile
 from ..engine.scheduler import Engine, EngineRequest, TokenOutput
-from . import plots
+from ..experiment import plots
 
 DATA_DIR = Path(__file__).parent / "data"
 MEASURED_CORE = DATA_DIR / "interference_core.json"

@@ -27,6 +27,7 @@ import msgspec
 
 from ..argtypes import cli_error, comma_choices, positive_floats, positive_int
 from ..engine.profile import EngineProfile, ProfileError, TransferConstants, link_preset, load_profile
+from ..experiment.progress import Progress
 from ..sim import Cluster, Conversation, simulate
 from ..sim.cluster import Router
 from ..sim.outcome import PAPER_TIMEOUT_S, SUCCESS_BAR, paper_columns
@@ -39,8 +40,7 @@ from ..workloads.generators import (
     PAPER_WORKLOADS,
     paper_workload,
 )
-from .paper_data import COLUMNS, PaperPoint, point_from_columns
-from .progress import Progress  # the one progress bar (shared with table builds)
+from .measured import COLUMNS, PaperPoint, point_from_columns
 
 PAPER_PROFILE = "h100-llama3.1-8b-vllm-paper"
 

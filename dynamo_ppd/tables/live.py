@@ -19,13 +19,13 @@ import time
 
 import httpx
 
+from ..bench.client import TokenText, chat_stream
 from ..engine.handoff import FORCED_ROUTE_ANNOTATION
 from ..engine.profile import DEFAULT_PROFILE
+from ..experiment.progress import Progress
 from ..policy.grid import GridSpec, cell_order, default_grid
 from ..policy.table import TABLE_FORMAT_VERSION, BuildInfo, Cell, Measurement, PpdTable, Weights, decide
 from ..sim.outcome import CHAT_TIMEOUT_S
-from .client import TokenText, chat_stream
-from .progress import Progress
 
 
 async def _turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,

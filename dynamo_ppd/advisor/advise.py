@@ -42,6 +42,7 @@ from concurrent.futures import ProcessPoolExecutor
 import msgspec
 
 from ..engine.profile import EngineProfile, link_preset, load_profile
+from ..paper.protocol import simulate_point
 from ..policy.simulate import ppd_router as simulate_ppd_router
 from ..policy.table import Weights, load_table, shipped_table
 from ..sim import peers
@@ -49,7 +50,6 @@ from ..sim.cluster import Router
 from ..sim.outcome import SUCCESS_BAR, TurnResult, succeeded, tpot_s
 from ..sim.routing import local_router, paper_proxy_router, parse_paper_config, pd_router
 from ..workloads.manifest import Manifest, scale_arrivals, to_sim
-from .paper import simulate_point
 
 PPD_WEIGHTS: tuple[tuple[float, float], ...] = ((1.0, 1.0), (2.0, 1.0), (1.0, 3.0), (1.0, 6.0))
 REFERENCE_POLICIES = ("x0", "x1", "dynamo-isl-or-load-ours")

@@ -1,6 +1,6 @@
 """The load sweeps' part of `docs/policies.md`, "Where disaggregation pays": P/D with PPD against
 replicas (the same GPUs as aggregated workers) and against the other P/D policies, on the
-workloads of `dynamo_ppd.bench.saturation`, at every rung of each lane's ladder up to its
+workloads of `dynamo_ppd.studies.saturation`, at every rung of each lane's ladder up to its
 saturation; a table per question and PNGs of P99 turn-2+ TTFT and P50 TPOT against output
 throughput per GPU (the paper's Fig. 1 axes).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import plots
+from ..experiment import plots
 from .policy_points import PolicyPoint, outcome_of, paired_ratio, score, tokens_per_sec_per_gpu
 from .saturation import (
     SATURATION_FACTOR,
@@ -117,7 +117,7 @@ def section(points: Sequence[PolicyPoint], stem: str = "policies") -> list[str]:
               f"per point (longer at light rates: at least ~{sweep.min_conversations} conversations), "
               f"{sweep.timeout_s:g} s timeout." for name, sweep in SWEEPS.items()
               if any(p.workload == name for p in swept)]
-    lines += ["", "**How saturation is found** (`dynamo_ppd/bench/saturation.py`): every (configuration, "
+    lines += ["", "**How saturation is found** (`dynamo_ppd/studies/saturation.py`): every (configuration, "
               "policy) climbs its workload's ladder and stops after its first saturated rung: under 95% "
               "success, or a median TTFT (turn 1, or turns 2+) over "
               f"{SATURATION_FACTOR:g}x its own at the lightest rung and over "

@@ -28,10 +28,9 @@ import numpy as np
 
 from ..argtypes import cli_error
 from ..engine.profile import EngineProfile, ProfileError, load_profile
+from ..experiment import plots
 from ..sim.outcome import SUCCESS_BAR
-from . import plots
-from .paper import add_common_arguments, paper_specs, points_csv, resolve_link, run_points
-from .paper_data import (
+from .measured import (
     MEASURED_FAMILIES,
     PaperDataError,
     PaperPoint,
@@ -40,6 +39,7 @@ from .paper_data import (
     load_points,
     measured_local_share,
 )
+from .protocol import add_common_arguments, paper_specs, points_csv, resolve_link, run_points
 
 DONE_CONFIGS = ("1P_3D", "1P_3pD", "3P_1D", "3P_1pD", "4R")  # issue 11's "Done when"
 SHARE_WEIGHTS = ((1.0, 1.0), (1.0, 3.0), (1.0, 6.0), (1.0, 12.0))
@@ -215,7 +215,7 @@ def _num(value: float | None, digits: int = 2) -> str:
 def markdown(report: FidelityReport, command: str) -> str:
     lines = [f"# Simulator fidelity: `{report.profile}` against the paper's H100 measurements", "",
              f"Produced by `{command}` (link: {report.link}). Measured points: the paper authors' "
-             "`comprehensive.csv` (freelulul/vllm-ppd, bundled in `dynamo_ppd/bench/data/`). Relative "
+             "`comprehensive.csv` (freelulul/vllm-ppd, bundled in `dynamo_ppd/paper/data/`). Relative "
              "errors over points where both sides completed turn-2 requests; measured points where a "
              "server of their stack crashed are left out of every figure; success agreement: both "
              f"sides on the same side of the {SUCCESS_BAR:.0f}% success bar.", "",
