@@ -47,8 +47,10 @@ def code_block_lines(text: str) -> list[str]:
 
 
 def inline_commands(text: str) -> list[str]:
-    """`uv run ...` commands written inline in the prose."""
-    return re.findall(r"`(uv run [^`]+)`", text)
+    """`uv run ...`, `dynamo-ppd ...` and `python -m dynamo_ppd...` commands written inline in the
+    prose (a command split over two lines is joined)."""
+    text = re.sub(r"\s*\n\s*", " ", text)
+    return re.findall(r"`((?:uv run |dynamo-ppd |python3? -m dynamo_ppd)[^`]*)`", text)
 
 
 def recipes() -> set[str]:
@@ -63,14 +65,19 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def check_dynamo_ppd(argv: list[str]) -> None:
-    """Parse ``argv`` (after `dynamo-ppd`) as the CLI would; with --help, the command must exist."""
+    """Parse ``argv`` (after `dynamo-ppd`) as the CLI would. With --help, or named alone in the
+    prose (`dynamo-ppd sim compare`: command words only), the command must exist."""
     parser = build_parser()
     if "--help" in argv or "-h" in argv:
-        words = [a for a in argv if a not in ("--help", "-h")]
-        for word in words:
+        for word in [a for a in argv if a not in ("--help", "-h")]:
             choices = _subparsers(parser)
             assert word in choices, f"dynamo-ppd {' '.join(argv)}: no command {word!r}"
             parser = choices[word]
+        return
+    command, words = parser, list(argv)
+    while words and words[0] in _subparsers(command):
+        command = _subparsers(command)[words.pop(0)]
+    if argv and not words:  # names only: the command exists, its arguments are elsewhere
         return
     try:
         parser.parse_args(argv)
@@ -86,8 +93,12 @@ def check_command(command: str) -> None:
         check_dynamo_ppd(words[1:])
     elif words[0] == "just":
         assert words[1] == "--list" or words[1] in recipes(), f"{command}: no recipe {words[1]!r}"
-    elif words[0] == "python" and words[1].endswith(".py"):
+    elif words[0] in ("python", "python3") and words[1].endswith(".py"):
         assert (REPO / words[1]).is_file(), f"{command}: no {words[1]}"
+    elif words[0] in ("python", "python3") and words[1] == "-m" and words[2].startswith("dynamo_ppd"):
+        path = REPO / words[2].replace(".", "/")
+        assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), \
+            f"{command}: no module {words[2]} to run"
 
 
 def test_every_command_in_the_readme_parses(capsys):
@@ -102,6 +113,33 @@ def test_every_command_in_the_readme_parses(capsys):
     assert not re.search(r"^just ", text, re.MULTILINE)
 
 
+DOCS = REPO / "docs"
+
+
+def test_every_command_in_the_docs_parses():
+    """The same check over every page of docs/ (reports write the command that made them in their
+    first lines: a renamed flag or a moved module shows up here)."""
+    checked, wrong = 0, []
+    for page in sorted(DOCS.rglob("*.md")):
+        text = page.read_text()
+        for command in code_block_lines(text) + inline_commands(text):
+            if not re.match(r"(uv run )?(dynamo-ppd|just|python3? (-m dynamo_ppd|\S+\.py))\b", command):
+                continue
+            if "$" in command:
+                continue  # a line of a shell loop: its variables are set by the loop
+            try:
+                shlex.split(command)
+            except ValueError:
+                continue  # an inline command quoted in part only
+            try:
+                check_command(command)
+            except AssertionError as exc:
+                wrong.append(f"{page.relative_to(REPO)}: {exc}")
+            checked += 1
+    assert wrong == [], "\n".join(wrong)
+    assert checked > 50
+
+
 def test_a_command_that_does_not_parse_is_caught():
     with pytest.raises(AssertionError, match="does not parse"):
         check_command("uv run dynamo-ppd sim run --router nope")
@@ -109,6 +147,8 @@ def test_a_command_that_does_not_parse_is_caught():
         check_command("uv run just nope")
     with pytest.raises(AssertionError, match="no command"):
         check_command("uv run dynamo-ppd nope --help")
+    with pytest.raises(AssertionError, match="no module"):
+        check_command("python -m dynamo_ppd.bench.nope --rate 2")
 
 
 def links(path: Path) -> list[str]:
@@ -116,13 +156,22 @@ def links(path: Path) -> list[str]:
             if not re.match(r"[a-z]+:", target) and not target.startswith("#")]
 
 
+def test_the_docs_index_names_every_page():
+    """docs/README.md has a line for every page of docs/ (a group of docs/bench/ by its name)."""
+    index = (DOCS / "README.md").read_text()
+    for page in sorted(DOCS.glob("*.md")):
+        assert page.name == "README.md" or page.name in index, f"docs/README.md does not name {page.name}"
+    for page in sorted((DOCS / "bench").glob("*.md")):
+        stem = re.sub(r"-(local|ppd|c20)$", "", page.stem)
+        assert f"bench/{stem}" in index, f"docs/README.md does not name bench/{page.name}"
+
+
 def test_every_relative_link_is_a_file():
     pages = [README]
     for target in links(README):
         path = (README.parent / target.split("#")[0]).resolve()
         assert path.exists(), f"README.md links {target}, which does not exist"
-        if path.suffix == ".md" and path.parent == REPO / "docs":
-            pages.append(path)
+    pages += sorted(DOCS.rglob("*.md"))  # every page of docs/, linked from the README or not
     assert len(pages) > 5
     for page in pages[1:]:
         for target in links(page):
