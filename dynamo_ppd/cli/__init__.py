@@ -1,9 +1,10 @@
 """`dynamo-ppd` command line. Each subcommand is a thin shell over a module; errors the user can
 fix exit with code 2 and one line saying what is wrong and how to fix it.
 
-The top layer of the package: the shells of `sim run` (`sim`), `table` (`table`) and `chaos`
-(`chaos`) sit beside this module; the experiments of `dynamo_ppd.bench` keep their own
-`add_arguments`/`main` pair, which `sim`, `bench` and `engine calibrate` call."""
+The top layer of the package: the shells of `sim run` (`sim`), `table` (`table`), `chaos`
+(`chaos`) and `advise` (`advise`) sit beside this module; the experiments (`dynamo_ppd.bench`,
+`studies`, `paper`, `calibration`, `tables`) keep their own `add_arguments`/`main` pair, which
+`sim`, `bench`, `table` and `engine` call."""
 
 from __future__ import annotations
 
