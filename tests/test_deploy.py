@@ -188,6 +188,27 @@ def test_trtllm_graph_cli_dry_run():
     assert "--disaggregation-mode prefill" in result.stdout
 
 
+@pytest.mark.e2e
+def test_serve_profile_reaches_every_simulated_worker_and_the_picker(tmp_path):
+    """`serve --profile` (a bundled name or a file `engine profile` wrote) is passed to our own
+    components and to no one else's; the profile is checked before anything starts."""
+    out = tmp_path / "q32.yaml"
+    ppd = [sys.executable, "-m", "dynamo_ppd"]
+    subprocess.run([*ppd, "engine", "profile", "--model", "Qwen3-32B", "--tp", "2", "--gpu", "h200",
+                    "--out", str(out)], check=True, capture_output=True, timeout=60)
+    bundled = "h100-llama3.1-70b-tp4"
+    for profile, expected in ((bundled, bundled), (str(out), str(out.resolve()))):
+        result = subprocess.run([*ppd, "serve", "ppd", "--dry-run", "--profile", profile], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        with_profile = [line.split(":")[0].strip() for line in lines if f"--profile {expected}" in line]
+        assert with_profile == ["prefill", "decode-0", "decode-1", "decode-2", "picker"]
+    bad = subprocess.run([*ppd, "serve", "ppd", "--dry-run", "--profile", "nope"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no engine profile named 'nope'" in bad.stderr
+
+
 @pytest.mark.unit
 def test_ppd_relay_trtllm_router_flags_parse():
     commands = _graph_commands("ppd-relay-trtllm")

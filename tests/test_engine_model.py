@@ -67,7 +67,7 @@ def test_profiles_derive_llama_quantities():
 
 
 def test_profile_errors_name_the_problem(tmp_path):
-    with pytest.raises(ProfileError, match="bundled: h100-llama3.1-8b, h100-llama3.1-8b-vllm-paper, h200"):
+    with pytest.raises(ProfileError, match="bundled: .*h100-llama3.1-8b, .*h200-llama3.1-8b"):
         load_profile("a100")
     bad = tmp_path / "bad.yaml"
     bad.write_bytes(msgspec.yaml.encode(msgspec.structs.replace(

@@ -46,7 +46,7 @@ import msgspec
 from ..argtypes import cli_error, comma_choices, positive_floats, positive_int, positive_seconds
 from ..experiment.progress import Progress
 from ..launch import ServeOptions, start
-from ..launch.graph import Component, ReadyCheck, load_graph
+from ..launch.graph import Component, ReadyCheck, load_graph, ppd_components
 from ..launch.process import free_port
 from ..sim.cluster import parse_config
 from ..workloads.manifest import Manifest, load_manifest, scale_arrivals
@@ -59,9 +59,6 @@ SYSTEMS = ("agg", "pd", "cond-disagg", "local", "ppd", "local-relay", "ppd-relay
 # ppd / local: the endpoint picker (`graphs/ppd.yaml`); *-relay: the relay router (`ppd-relay`).
 PPD_GRAPH = {"ppd": "ppd", "local": "ppd", "ppd-relay": "ppd-relay", "local-relay": "ppd-relay"}
 GATEWAY = "gateway"
-# The components that take --speedup: the simulated workers and the routing shells (the relay
-# router also by its old module path, `dynamo_ppd.router`).
-SPEEDUP_MODULES = ("dynamo_ppd.worker", "dynamo_ppd.relay", "dynamo_ppd.router", "dynamo_ppd.picker")
 
 
 def ppd_graph_with_mode(mode: str, workdir: Path, graph: str = "ppd-relay") -> str:
@@ -150,8 +147,7 @@ def speedup_args(graph: str, dilation: float) -> dict[str, list[str]]:
         return {}
     loaded, _ = load_graph(graph)
     flag = ["--speedup", repr(1.0 / dilation)]
-    return {c.name: flag for c in loaded.components
-            if any(a in SPEEDUP_MODULES for a in c.command)}
+    return {name: flag for name in ppd_components(loaded)}
 
 
 def play(url: str, system: str, workload: str, rate: float, manifest: Manifest, seed: int,

@@ -18,9 +18,14 @@ capacity, tokens within max_num_tokens, requests within max_batch_size) and comp
   multiple of m, so the two shares agree on the attention pairs (m*L/2 on both sides).
 
 It reports the median and p90 |model - AIC| / AIC per profile and family, before and after a
-refit of the profile's four efficiency constants to AIC's points (`calibrate.calibrate`, all
-families together, relative errors). AIC's answers can be written (--write-points) and read back
-(--points), so the comparison runs without AIC; docs/engine-aic/ ships them for both profiles.
+refit of the profile's four efficiency constants to AIC's points (`fit.calibrate`, all families
+together, relative errors), and after the refit on a held-out set: AIC's answers for shapes off
+the grid (`heldout_grid`: other sizes, contexts, batches and prompt multiples), kept out of the
+fit. A profile is asked at its own tensor-parallel degree and precision (TP GPUs per worker, bf16
+or FP8 weights and KV: `aic_target`), so a profile `dynamo-ppd engine profile` built for any
+shipped model is checked and refit the same way. AIC's answers can be written (--write-points)
+and read back (--points), so the comparison runs without AIC; docs/engine-aic/ ships them for
+every bundled TensorRT-LLM profile.
 """
 
 from __future__ import annotations
@@ -58,8 +63,11 @@ MIN_POINTS_PER_FAMILY = 200
 
 # AIC's names for our hardware and model. AIC ships the base model's config; the Instruct model
 # the profiles name has the same architecture (config.json: same shapes, same vocabulary).
-AIC_SYSTEMS = {"NVIDIA H100 SXM5 80GB": "h100_sxm", "NVIDIA H200 SXM 141GB": "h200_sxm"}
-AIC_MODELS = {"meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Meta-Llama-3.1-8B"}
+AIC_SYSTEMS = {"NVIDIA H100 SXM5 80GB": "h100_sxm", "NVIDIA H200 SXM 141GB": "h200_sxm",
+               "NVIDIA B200 SXM 180GB": "b200_sxm"}
+AIC_MODELS = {"meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Meta-Llama-3.1-8B",
+              "meta-llama/Llama-3.1-70B-Instruct": "meta-llama/Meta-Llama-3.1-70B",
+              "Qwen/Qwen3-8B": "Qwen/Qwen3-8B", "Qwen/Qwen3-32B": "Qwen/Qwen3-32B"}
 
 # The grid, before the physical filter (`fits`). Sizes step by ~sqrt(2) so every regime (weight-
 # bound, compute-bound, attention-bound) gets points; contexts go to 32K, Llama-3.1's usual limit.
@@ -75,6 +83,15 @@ MIXED_CHUNK = (256, 512, 1024, 2048, 3072, 4096, 6144, 7680)
 MIXED_BATCH = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 255)
 MIXED_PROMPT_MULTIPLES = (1, 2, 4, 8, 16, 32, 64, 128)  # L = k*m (see the module docstring)
 MAX_CONTEXT = 32768
+# The held-out grid: no value of it is on the grid above (sizes between its steps, prompt
+# multiples that are not powers of two), so its points test the refit away from what it saw.
+HELDOUT_PREFILL_NEW = (20, 40, 80, 160, 320, 640, 1280, 2560, 5120)
+HELDOUT_PREFILL_CACHED = (64, 700, 1800, 5000, 10000, 20000, 28000)
+HELDOUT_DECODE_BATCH = (5, 10, 20, 40, 80, 112, 144, 208, 240)
+HELDOUT_DECODE_CONTEXT = (160, 320, 640, 1280, 2560, 5000, 10000, 20000, 28000)
+HELDOUT_MIXED_CHUNK = (384, 768, 1536, 5120)
+HELDOUT_MIXED_BATCH = (3, 12, 24, 48, 80, 160, 224)
+HELDOUT_MIXED_PROMPT_MULTIPLES = (1, 3, 6, 12, 24)
 
 
 # The refit keeps the hardware terms physical: HBM is never streamed at its peak. 0.90 of peak is
@@ -118,7 +135,8 @@ class AicPoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class AicPoints(msgspec.Struct, forbid_unknown_fields=True):
-    """AIC's answers for one profile's grid (the file --write-points writes, --points reads)."""
+    """AIC's answers for one profile's grid (the file --write-points writes, --points reads), and
+    for the held-out grid (none in files written before it existed)."""
 
     profile: str
     aic_version: str
@@ -127,6 +145,9 @@ class AicPoints(msgspec.Struct, forbid_unknown_fields=True):
     system: str
     model: str
     points: list[AicPoint]
+    tensor_parallel: int = 1
+    quantization: str = "bfloat16"  # AIC's gemm quant mode ("fp8": FP8 weights and KV)
+    heldout: list[AicPoint] = msgspec.field(default_factory=list)
 
     def measurements(self) -> Measurements:
         return Measurements(f"AIConfigurator {self.aic_version} {self.system} {self.backend} "
@@ -159,36 +180,69 @@ def fits(profile: EngineProfile, shape: Shape) -> bool:
             and decode_blocks + _blocks(profile, shape.prompt_tokens) <= capacity)
 
 
+def _shapes(prefill_new: Sequence[int], prefill_cached: Sequence[int], decode_batch: Sequence[int],
+            decode_context: Sequence[int], mixed_chunk: Sequence[int], mixed_batch: Sequence[int],
+            mixed_multiples: Sequence[int]) -> list[Shape]:
+    shapes = [Shape("prefill", new_tokens=m, cached_tokens=n)
+              for n, m in itertools.product(prefill_cached, prefill_new)]
+    shapes += [Shape("decode", batch=b, prompt_tokens=length)
+               for length, b in itertools.product(decode_context, decode_batch)]
+    shapes += [Shape("mixed", new_tokens=m, batch=b, prompt_tokens=k * m)
+               for m, k, b in itertools.product(mixed_chunk, mixed_multiples, mixed_batch)
+               if k * m <= MAX_CONTEXT]
+    return shapes
+
+
 def grid(profile: EngineProfile) -> list[Shape]:
     """Every family's grid points that `fits` the profile, in a fixed order."""
-    shapes = [Shape("prefill", new_tokens=m, cached_tokens=n)
-              for n, m in itertools.product(PREFILL_CACHED, PREFILL_NEW)]
-    shapes += [Shape("decode", batch=b, prompt_tokens=length)
-               for length, b in itertools.product(DECODE_CONTEXT, DECODE_BATCH)]
-    shapes += [Shape("mixed", new_tokens=m, batch=b, prompt_tokens=k * m)
-               for m, k, b in itertools.product(MIXED_CHUNK, MIXED_PROMPT_MULTIPLES, MIXED_BATCH)
-               if k * m <= MAX_CONTEXT]
+    shapes = _shapes(PREFILL_NEW, PREFILL_CACHED, DECODE_BATCH, DECODE_CONTEXT, MIXED_CHUNK, MIXED_BATCH,
+                     MIXED_PROMPT_MULTIPLES)
     return [s for s in shapes if fits(profile, s)]
 
 
-def aic_target(profile: EngineProfile) -> tuple[str, str]:
-    """AIC's (system, model) for a profile; AicError when AIC has no tables for it."""
+def heldout_grid(profile: EngineProfile) -> list[Shape]:
+    """The held-out shapes (off the grid) that `fits` the profile."""
+    shapes = _shapes(HELDOUT_PREFILL_NEW, HELDOUT_PREFILL_CACHED, HELDOUT_DECODE_BATCH,
+                     HELDOUT_DECODE_CONTEXT, HELDOUT_MIXED_CHUNK, HELDOUT_MIXED_BATCH,
+                     HELDOUT_MIXED_PROMPT_MULTIPLES)
+    return [s for s in shapes if fits(profile, s)]
+
+
+class AicTarget(msgspec.Struct, frozen=True):
+    """What AIC is asked for: its system and model names, the TP degree and the quant modes."""
+
+    system: str
+    model: str
+    tensor_parallel: int
+    gemm: str  # "bfloat16" or "fp8"
+    kv_cache: str
+    fmha: str
+
+
+def aic_target(profile: EngineProfile) -> AicTarget:
+    """AIC's names and modes for a profile; AicError when AIC has no tables for it."""
     system = AIC_SYSTEMS.get(profile.hardware.name)
     model = AIC_MODELS.get(profile.model.name)
     if system is None or model is None:
         raise AicError(f"profile {profile.name!r}: AIC has no TensorRT-LLM tables mapped for "
                        f"{profile.hardware.name} / {profile.model.name}; mapped: "
                        f"{', '.join(AIC_SYSTEMS)} with {', '.join(AIC_MODELS)}")
-    if profile.engine.cascade_attention or profile.model.bytes_per_param != 2 \
-            or profile.model.kv_bytes_per_element != 2:
-        raise AicError(f"profile {profile.name!r} is not a bf16 TensorRT-LLM engine (cascade "
-                       "attention or another precision); AIC's points here are TensorRT-LLM bf16")
-    return system, model
+    if profile.engine.cascade_attention:
+        raise AicError(f"profile {profile.name!r} models vLLM's cascade attention; AIC's points "
+                       "here are TensorRT-LLM's")
+    precision = {1: "fp8", 2: "bfloat16"}
+    gemm = precision.get(profile.model.bytes_per_param)
+    kv = precision.get(profile.model.kv_bytes_per_element)
+    if gemm is None or kv is None:
+        raise AicError(f"profile {profile.name!r}: weights of {profile.model.bytes_per_param} and KV of "
+                       f"{profile.model.kv_bytes_per_element} bytes; AIC is asked for bf16 (2) or FP8 (1)")
+    return AicTarget(system, model, profile.tp, gemm, kv, kv)
 
 
-def ask_aic(profile: EngineProfile, shapes: Sequence[Shape]) -> AicPoints:
-    """AIC's step time for each shape (imports AIC here: the extra is optional)."""
-    system, model = aic_target(profile)
+def ask_aic(profile: EngineProfile, shapes: Sequence[Shape], heldout: Sequence[Shape] = ()) -> AicPoints:
+    """AIC's step time for each shape, and for each held-out one (imports AIC here: the extra is
+    optional)."""
+    target = aic_target(profile)
     try:
         from importlib.metadata import version
 
@@ -197,11 +251,12 @@ def ask_aic(profile: EngineProfile, shapes: Sequence[Shape]) -> AicPoints:
     except ImportError:
         raise AicError(f"{AIC_PACKAGE} is not installed: install it with `uv sync --extra aic`, or "
                        "pass --points FILE.json (docs/engine-aic/ ships AIC's points)") from None
-    bf16 = "bfloat16"  # pinned, though AIC's default for this model is the same
-    handle = EngineHandle.compile(model, system, AIC_BACKEND, gemm_quant_mode=bf16,
-                                  kvcache_quant_mode=bf16, fmha_quant_mode=bf16)
-    points = []
-    for s in shapes:
+    # The quant modes pinned (AIC would infer bf16 from these configs; FP8 must be asked for).
+    handle = EngineHandle.compile(target.model, target.system, AIC_BACKEND, tp_size=target.tensor_parallel,
+                                  gemm_quant_mode=target.gemm, kvcache_quant_mode=target.kv_cache,
+                                  fmha_quant_mode=target.fmha)
+
+    def answer(s: Shape) -> AicPoint:
         if s.family == "prefill":
             ms = handle.predict_prefill_latency(1, s.cached_tokens + s.new_tokens, s.cached_tokens)
         elif s.family == "decode":
@@ -210,10 +265,12 @@ def ask_aic(profile: EngineProfile, shapes: Sequence[Shape]) -> AicPoints:
             ms = handle.mixed_step_latency(s.new_tokens, s.batch, s.prompt_tokens, 2)
         if not ms > 0:
             raise AicError(f"AIC answered {ms} ms for {s}")
-        points.append(AicPoint(s, float(ms)))
+        return AicPoint(s, float(ms))
+
     return AicPoints(profile.name, version(AIC_PACKAGE), AIC_BACKEND,
-                     perf_database.resolve_query_version(system, AIC_BACKEND, "current"),
-                     system, model, points)
+                     perf_database.resolve_query_version(target.system, AIC_BACKEND, "current"),
+                     target.system, target.model, [answer(s) for s in shapes], target.tensor_parallel,
+                     target.gemm, [answer(s) for s in heldout])
 
 
 def load_points(path: Path, profile: EngineProfile) -> AicPoints:
@@ -231,11 +288,15 @@ def load_points(path: Path, profile: EngineProfile) -> AicPoints:
 
 def write_points(points: AicPoints, path: Path) -> None:
     """JSON with one point a line, so that a new AIC's answers diff point by point."""
-    head = {f: getattr(points, f) for f in points.__struct_fields__ if f != "points"}
+    head = {f: getattr(points, f) for f in points.__struct_fields__ if f not in ("points", "heldout")}
     text = msgspec.json.format(msgspec.json.encode(head)).decode().removesuffix("\n}")
-    body = ",\n".join("    " + msgspec.json.encode(p).decode() for p in points.points)
+
+    def lines(name: str, values: list[AicPoint]) -> str:
+        body = ",\n".join("    " + msgspec.json.encode(p).decode() for p in values)
+        return f'  "{name}": [\n{body}\n  ]'
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f'{text},\n  "points": [\n{body}\n  ]\n}}\n')
+    path.write_text(f'{text},\n{lines("points", points.points)},\n{lines("heldout", points.heldout)}\n}}\n')
 
 
 class FamilyStats(msgspec.Struct, frozen=True):
@@ -246,7 +307,10 @@ class FamilyStats(msgspec.Struct, frozen=True):
     median_after: float  # with the refitted constants
     p90_after: float
     residual_after: float  # median (model - AIC) / AIC after the refit: the family's bias
-    meets_target: bool  # median_after <= TARGET_MEDIAN and p90_after <= TARGET_P90
+    meets_target: bool  # median and p90 after within TARGET_MEDIAN / TARGET_P90, held-out too
+    heldout_points: int = 0  # the held-out shapes of the family (kept out of the fit)
+    heldout_median_after: float | None = None
+    heldout_p90_after: float | None = None
 
 
 class ProfileComparison(msgspec.Struct, frozen=True):
@@ -262,13 +326,19 @@ class ProfileComparison(msgspec.Struct, frozen=True):
     meets_target: bool  # every family does
 
 
-def family_stats(before: EngineProfile, after: EngineProfile,
-                 points: Sequence[AicPoint]) -> list[FamilyStats]:
-    """Median and p90 |relative error| per family, for both profiles, over the same points."""
+def _within(median: float, p90: float) -> bool:
+    return median <= TARGET_MEDIAN and p90 <= TARGET_P90
+
+
+def family_stats(before: EngineProfile, after: EngineProfile, points: Sequence[AicPoint],
+                 heldout: Sequence[AicPoint] = ()) -> list[FamilyStats]:
+    """Median and p90 |relative error| per family, for both profiles, over the same points; and
+    the refit's over the held-out points."""
     measured = [p.measured() for p in points]
     aic_s = np.array([m.measured_s for m in measured])
     err_before, err_after = relative_errors(before, measured), relative_errors(after, measured)
     signed_after = model_times(after, measured) / aic_s - 1
+    err_held = relative_errors(after, [p.measured() for p in heldout]) if heldout else np.array([])
     stats = []
     for family in FAMILIES:
         sel = np.array([p.family == family for p in points])
@@ -276,10 +346,14 @@ def family_stats(before: EngineProfile, after: EngineProfile,
             continue
         b, a = err_before[sel], err_after[sel]
         median_after, p90_after = float(np.median(a)), float(np.quantile(a, 0.9))
+        held = err_held[np.array([p.family == family for p in heldout], dtype=bool)] if heldout else err_held
+        held_median = float(np.median(held)) if held.size else None
+        held_p90 = float(np.quantile(held, 0.9)) if held.size else None
+        meets = _within(median_after, p90_after) and (
+            held_median is None or held_p90 is None or _within(held_median, held_p90))
         stats.append(FamilyStats(
             family, int(sel.sum()), float(np.median(b)), float(np.quantile(b, 0.9)), median_after,
-            p90_after, float(np.median(signed_after[sel])),
-            median_after <= TARGET_MEDIAN and p90_after <= TARGET_P90))
+            p90_after, float(np.median(signed_after[sel])), meets, int(held.size), held_median, held_p90))
     return stats
 
 
@@ -289,7 +363,7 @@ def compare(base: EngineProfile, aic: AicPoints) -> tuple[ProfileComparison, Eng
     result = calibrate(base, measurements, name=base.name,
                        max_bandwidth_efficiency=PHYSICAL_BANDWIDTH_EFFICIENCY)
     refit = result.profile
-    families = family_stats(base, refit, aic.points)
+    families = family_stats(base, refit, aic.points, aic.heldout)
     comparison = ProfileComparison(
         base.name, measurements.hardware, len(aic.points), constants(base), constants(refit),
         list(result.clamped), families, result.after.mean_rel_error, all(f.meets_target for f in families))
@@ -309,14 +383,18 @@ def markdown(comparisons: Sequence[ProfileComparison], command: str) -> str:
              f"Produced by `{command}`. |relative error| = |model - AIC| / AIC per grid point; "
              f"target after the refit: median <= {TARGET_MEDIAN:.0%} and p90 <= {TARGET_P90:.0%} "
              "per profile and family. Median residual: median (model - AIC) / AIC, the family's bias.", "",
+             "Held out: the refit against AIC's points for shapes off the grid, kept out of the fit.", "",
              "| profile | family | points | median before | p90 before | median after | p90 after | "
-             "median residual after | target |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "median residual after | held out: points | median | p90 | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in comparisons:
         for f in c.families:
+            held = (f"{f.heldout_points} | {_pct(f.heldout_median_after)} | {_pct(f.heldout_p90_after)}"
+                    if f.heldout_median_after is not None and f.heldout_p90_after is not None
+                    else "0 | - | -")
             lines.append(f"| {c.profile} | {f.family} | {f.points} | {_pct(f.median_before)} | "
                          f"{_pct(f.p90_before)} | {_pct(f.median_after)} | {_pct(f.p90_after)} | "
-                         f"{f.residual_after:+.1%} | {'met' if f.meets_target else 'missed'} |")
+                         f"{f.residual_after:+.1%} | {held} | {'met' if f.meets_target else 'missed'} |")
     lines += ["", "| profile | constant | before | after |", "|---|---|---|---|"]
     for c in comparisons:
         for name in CONSTANTS:
@@ -359,10 +437,17 @@ def plot(runs: Sequence[tuple[EngineProfile, EngineProfile, AicPoints]], path: P
 
 
 def refit_yaml(base: EngineProfile, refit: EngineProfile, comparison: ProfileComparison,
-               points: str) -> bytes:
+               points: str, base_source: str = "") -> bytes:
+    """The refit profile's YAML: what refit it, then the comments that opened the base profile's
+    file (``base_source``: its path; they say where the profile came from)."""
     header = (f"# Refitted by `dynamo-ppd engine aic` from {base.name} and {points}:\n"
               f"# {comparison.points} points of {comparison.source};\n"
               f"# mean |relative error| {comparison.fit_mean_rel_error:.1%} after the refit.\n")
+    path = Path(base_source)
+    if base_source.endswith((".yaml", ".yml")) and path.is_file():
+        lines = path.read_text().splitlines()
+        opening = [line for line in itertools.takewhile(lambda line: line.startswith("#"), lines)]
+        header += "".join(f"{line}\n" for line in opening)
     return header.encode() + dump_profile(refit)
 
 
@@ -403,12 +488,12 @@ def main(args: argparse.Namespace) -> int:
         if files:
             answers = [load_points(f, p) for f, p in zip(files, profiles, strict=True)]
         else:
-            answers = [ask_aic(p, grid(p)) for p in profiles]
+            answers = [ask_aic(p, grid(p), heldout_grid(p)) for p in profiles]
     except (ProfileError, AicError) as exc:
         return cli_error(exc)
     for aic, path in zip(answers, writes, strict=False):
         write_points(aic, path)
-        print(f"wrote {len(aic.points)} AIC points to {path}")
+        print(f"wrote {len(aic.points)} AIC points and {len(aic.heldout)} held-out ones to {path}")
     runs, comparisons = [], []
     for profile, aic in zip(profiles, answers, strict=True):
         comparison, refit = compare(profile, aic)
@@ -416,9 +501,9 @@ def main(args: argparse.Namespace) -> int:
         comparisons.append(comparison)
     text = markdown(comparisons, "dynamo-ppd " + " ".join(sys.argv[1:]))
     print(text)
-    for (base, refit, _), comparison, path, source in zip(
-            runs, comparisons, refits, files or writes or ["AIC"] * len(refits), strict=False):
-        path.write_bytes(refit_yaml(base, refit, comparison, str(source)))
+    for (base, refit, _), comparison, path, source, given in zip(
+            runs, comparisons, refits, files or writes or ["AIC"] * len(refits), args.profile, strict=False):
+        path.write_bytes(refit_yaml(base, refit, comparison, str(source), given))
         print(f"wrote {path}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

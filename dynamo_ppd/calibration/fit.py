@@ -138,6 +138,7 @@ class _Features:
     chunk_point: np.ndarray  # index of the point each chunk belongs to
     chunk_bytes: np.ndarray  # Kc
     chunk_flops: np.ndarray  # Ac
+    fixed: np.ndarray  # seconds the four constants do not price (tensor parallelism's all-reduces)
 
 
 def _probe(profile: EngineProfile, *, bytes_side: bool) -> CostModel:
@@ -145,9 +146,11 @@ def _probe(profile: EngineProfile, *, bytes_side: bool) -> CostModel:
     terms are then the raw bytes or FLOPs."""
     model = CostModel(profile)
     model.overhead_s = 0.0
+    model.allreduce_per_token_s = 0.0  # priced apart (`_Features.fixed`)
     if bytes_side:
         model.bandwidth, model.gemm_flops, model.attention_flops = 1.0, math.inf, math.inf
-        model.weight_stream_s = float(profile.model.streamed_weight_bytes)
+        model.weight_stream_s = float(profile.gpu_streamed_weight_bytes)
+        model.lm_head_stream_s = float(profile.gpu_lm_head_bytes)
     else:
         model.bandwidth, model.gemm_flops, model.attention_flops = math.inf, 1.0, 1.0
         model.weight_stream_s = 0.0
@@ -156,8 +159,10 @@ def _probe(profile: EngineProfile, *, bytes_side: bool) -> CostModel:
 
 def _features(profile: EngineProfile, points: list[MeasuredPoint]) -> _Features:
     by_bytes, by_flops = _probe(profile, bytes_side=True), _probe(profile, bytes_side=False)
-    cols: dict[str, list[float]] = {k: [] for k in ("w", "g", "k", "a", "cp", "kc", "ac")}
+    cols: dict[str, list[float]] = {k: [] for k in ("w", "g", "k", "a", "cp", "kc", "ac", "x")}
     for i, p in enumerate(points):
+        tokens = p.num_decode + sum(c.new_tokens for c in p.chunks())
+        cols["x"].append(profile.allreduce_s(tokens))
         b = by_bytes.iteration(p.num_decode, p.decode_context_tokens, p.chunks())
         f = by_flops.iteration(p.num_decode, p.decode_context_tokens, p.chunks())
         cols["w"].append(b.gemm_s)
@@ -173,7 +178,7 @@ def _features(profile: EngineProfile, points: list[MeasuredPoint]) -> _Features:
 
     return _Features(weights=array("w"), gemm=array("g"), decode_bytes=array("k"),
                      decode_flops=array("a"), chunk_point=array("cp"), chunk_bytes=array("kc"),
-                     chunk_flops=array("ac"))
+                     chunk_flops=array("ac"), fixed=array("x"))
 
 
 def _design(f: _Features, theta: np.ndarray) -> tuple[np.ndarray, tuple[bool, ...]]:
@@ -218,7 +223,8 @@ def _nnls(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
 
 def _objective(f: _Features, theta: np.ndarray, measured: np.ndarray) -> float:
     o, a, b, c = theta
-    t = (o + np.maximum(f.weights * a, f.gemm * b) + np.maximum(f.decode_bytes * a, f.decode_flops * c))
+    t = (f.fixed + o + np.maximum(f.weights * a, f.gemm * b)
+         + np.maximum(f.decode_bytes * a, f.decode_flops * c))
     t = t + np.bincount(f.chunk_point, np.maximum(f.chunk_bytes * a, f.chunk_flops * c), len(measured))
     return float(np.sum((t / measured - 1) ** 2))
 
@@ -236,10 +242,11 @@ def _alternate(f: _Features, theta: np.ndarray, measured: np.ndarray, max_rounds
             break
         seen.add(pattern)
         scaled = rows / measured[:, None]
+        target = 1 - f.fixed / measured  # what the four constants must explain
         if fixed_a is None:
-            theta = _nnls(scaled, np.ones(len(measured)))
+            theta = _nnls(scaled, target)
         else:
-            rest = _nnls(scaled[:, [0, 2, 3]], 1 - scaled[:, 1] * fixed_a)
+            rest = _nnls(scaled[:, [0, 2, 3]], target - scaled[:, 1] * fixed_a)
             theta = np.array([rest[0], fixed_a, rest[1], rest[2]])
         cost = _objective(f, theta, measured)
         if cost < best_cost:
@@ -259,8 +266,8 @@ def calibrate(base: EngineProfile, measurements: Measurements, name: str | None 
     features = _features(base, points)
     start = np.array([cost.iteration_overhead_s,
                       1 / (hw.peak_memory_bandwidth_bytes_s * cost.memory_bandwidth_efficiency),
-                      1 / (hw.peak_bf16_flops * cost.gemm_flops_efficiency),
-                      1 / (hw.peak_bf16_flops * cost.attention_flops_efficiency)])
+                      1 / (base.gemm_peak_flops * cost.gemm_flops_efficiency),
+                      1 / (base.attention_peak_flops * cost.attention_flops_efficiency)])
     scales = [(1.0, 1.0, 1.0), *itertools.product((0.5, 2.0), repeat=3)]
     candidates = [_alternate(features, start * np.array([1.0, *scale]), measured) for scale in scales]
     theta = min(candidates, key=lambda t: _objective(features, t, measured))
@@ -274,8 +281,8 @@ def calibrate(base: EngineProfile, measurements: Measurements, name: str | None 
 
     rows, _ = _design(features, theta)
     peaks = {"memory_bandwidth_efficiency": (hw.peak_memory_bandwidth_bytes_s, 1),
-             "gemm_flops_efficiency": (hw.peak_bf16_flops, 2),
-             "attention_flops_efficiency": (hw.peak_bf16_flops, 3)}
+             "gemm_flops_efficiency": (base.gemm_peak_flops, 2),
+             "attention_flops_efficiency": (base.attention_peak_flops, 3)}
     values: dict[str, float] = {"iteration_overhead_s": float(theta[0])}
     unidentified, clamped = [], []
     for field, (peak, j) in peaks.items():

@@ -61,6 +61,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--supervise", action="store_true",
                    help="restart a process that exits (same argv, env and ports; etcd and NATS keep "
                    "their data; backoff 0.5 s doubling to 8 s) instead of stopping the whole graph")
+    p.add_argument("--profile", metavar="PROFILE",
+                   help="engine profile (a bundled name or a YAML path, e.g. one `dynamo-ppd engine "
+                   "profile` wrote) for every simulated worker and the PPD picker or router; default: "
+                   "each component's own (h100-llama3.1-8b)")
 
 
 def _add_ctl(sub) -> None:
@@ -105,10 +109,17 @@ def _add_model(sub) -> None:
 
 def _add_engine(sub) -> None:
     p = sub.add_parser("engine", help="the simulated TensorRT-LLM engine: profiles, calibration")
-    esub = p.add_subparsers(dest="engine_command", required=True, metavar="{profiles,calibrate,aic}")
+    esub = p.add_subparsers(dest="engine_command", required=True,
+                            metavar="{profiles,profile,calibrate,aic}")
     esub.add_parser("profiles", help="list the bundled engine profiles and what they derive",
                     description="List bundled engine profiles with derived KV capacity and timings.")
     from ..calibration import aic, fit
+    from . import profile
+
+    profile.add_arguments(esub.add_parser(
+        "profile", help="write an engine profile for a model's config.json, a TP degree and a "
+        "precision on a named GPU", description=profile.DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
 
     fit.add_arguments(esub.add_parser(
         "calibrate", help="fit a profile's cost constants to measured iteration timings",
@@ -209,13 +220,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args) -> int:
     from ..launch import ServeOptions, serve
+    from ..launch.graph import load_graph, ppd_components
 
+    extra: dict[str, list[str]] = {}
+    if args.profile:
+        from ..engine.profile import load_profile
+
+        load_profile(args.profile)  # a bad profile is one line here, not a component's crash
+        path = Path(args.profile)
+        profile = str(path.resolve()) if path.is_file() else args.profile
+        graph, _ = load_graph(args.graph)
+        extra = {name: ["--profile", profile] for name in ppd_components(graph)}
     return serve(ServeOptions(
         graph=args.graph, http_port=args.http_port, nats_port=args.nats_port,
         etcd_port=args.etcd_port, nats_url=args.nats_url, etcd_url=args.etcd_url,
         model_dir=args.model_dir, run_dir=args.run_dir, ready_timeout_s=args.ready_timeout,
         dry_run=args.dry_run, exit_when_ready=args.exit_when_ready, replicas=args.replicas,
-        supervise=args.supervise))
+        supervise=args.supervise, extra_args=extra))
 
 
 def _ctl(args) -> int:
@@ -269,7 +290,11 @@ def _engine(args) -> int:
         return fit.main(args)
     if args.engine_command == "aic":
         return aic.main(args)
-    print(f"{'profile':<20}{'hardware':<26}{'KV blocks':>10}{'KV tokens':>11}{'TPOT b=1':>10}"
+    if args.engine_command == "profile":
+        from . import profile as profile_cli
+
+        return profile_cli.main(args)
+    print(f"{'profile':<28}{'hardware':<26}{'TP':>3}{'KV blocks':>10}{'KV tokens':>11}{'TPOT b=1':>10}"
           f"{'prefill 1K':>12}")
     for name in bundled_profiles():
         profile = load_profile(name)
@@ -277,8 +302,8 @@ def _engine(args) -> int:
         blocks = profile.kv_capacity_blocks()
         tpot = model.iteration(1, 1024).total_s * 1e3
         prefill = model.iteration(0, 0, [PrefillChunk(1024, 0, True)]).total_s * 1e3
-        print(f"{name:<20}{profile.hardware.name:<26}{blocks:>10}{blocks * profile.engine.block_size:>11}"
-              f"{tpot:>8.2f}ms{prefill:>10.1f}ms")
+        print(f"{name:<28}{profile.hardware.name:<26}{profile.tp:>3}{blocks:>10}"
+              f"{blocks * profile.engine.block_size:>11}{tpot:>8.2f}ms{prefill:>10.1f}ms")
     return 0
 
 

@@ -13,6 +13,9 @@ kernel classes that run one after another in each layer:
   reading that KV and doing the FLOPs (compute-bound for long prompts: quadratic).
 - A fixed per-iteration overhead (scheduling, sampling, launch), plus a host cost per sequence
   in the batch (zero for TensorRT-LLM; a Python engine loop's per-request work otherwise).
+- With tensor parallelism (a worker of TP GPUs), every term above is one GPU's shard (1/TP of
+  the weights, heads and FLOPs; its KV heads), plus two all-reduces per layer of the iteration's
+  activations over NVLink (`EngineProfile.allreduce_s`: a latency floor and a bus bandwidth).
 
 Why append-prefill disturbs decoding so little: an append of m tokens onto n cached ones adds m
 tokens of GEMM work (often hidden under the weight streaming that decoding pays anyway) and
@@ -74,24 +77,29 @@ class IterationCost:
     # Cascade attention's first kernel: every query token against the batch's common prefix,
     # whose KV is read once (the two attention terms above then cover only each suffix).
     shared_prefix_attention_s: float = 0.0
+    allreduce_s: float = 0.0  # tensor parallelism's all-reduces (0 at TP1)
 
 
 class CostModel:
     def __init__(self, profile: EngineProfile):
-        hw, model, cost = profile.hardware, profile.model, profile.cost
+        hw, cost = profile.hardware, profile.cost
         self.profile = profile
         self.bandwidth = hw.peak_memory_bandwidth_bytes_s * cost.memory_bandwidth_efficiency
-        self.gemm_flops = hw.peak_bf16_flops * cost.gemm_flops_efficiency
-        self.attention_flops = hw.peak_bf16_flops * cost.attention_flops_efficiency
+        self.gemm_flops = profile.gemm_peak_flops * cost.gemm_flops_efficiency
+        self.attention_flops = profile.attention_peak_flops * cost.attention_flops_efficiency
         self.overhead_s = cost.iteration_overhead_s
         self.per_sequence_s = cost.per_sequence_overhead_s
-        self.weight_stream_s = model.streamed_weight_bytes / self.bandwidth
+        # One GPU's shard of a tensor-parallel worker (the whole model at TP1).
+        self.weight_stream_s = profile.gpu_streamed_weight_bytes / self.bandwidth
         # The LM head's weights are read only in iterations that sample a token.
-        self.lm_head_stream_s = model.lm_head_params * model.bytes_per_param / self.bandwidth
-        self.layer_flops_per_token = 2 * model.layer_params
-        self.lm_head_flops_per_sample = 2 * model.lm_head_params
-        self.kv_bytes_per_token = model.kv_bytes_per_token
-        self.attention_flops_per_pair = model.attention_flops_per_pair
+        self.lm_head_stream_s = profile.gpu_lm_head_bytes / self.bandwidth
+        self.layer_flops_per_token = profile.gpu_layer_flops_per_token
+        self.lm_head_flops_per_sample = profile.gpu_lm_head_flops_per_sample
+        self.kv_bytes_per_token = profile.gpu_kv_bytes_per_token
+        self.attention_flops_per_pair = profile.gpu_attention_flops_per_pair
+        # All-reduces: fixed + small * min(tokens, knee) + large * the rest (all 0 at TP1).
+        (self.allreduce_fixed_s, self.allreduce_per_token_s, self.allreduce_knee_tokens,
+         self.allreduce_large_per_token_s) = profile.allreduce_terms()
 
     def iteration(self, num_decode: int, decode_context_tokens: int,
                   prefill: tuple[PrefillChunk, ...] | list[PrefillChunk] = (),
@@ -110,6 +118,11 @@ class CostModel:
                           + self.lm_head_flops_per_sample * samples) / self.gemm_flops
         weights_s = self.weight_stream_s - (0.0 if samples else self.lm_head_stream_s)
         gemm_s = max(weights_s, gemm_compute_s)
+        allreduce_s = 0.0
+        if self.allreduce_per_token_s:
+            knee = self.allreduce_knee_tokens
+            allreduce_s = (self.allreduce_fixed_s + self.allreduce_per_token_s * min(tokens, knee)
+                           + self.allreduce_large_per_token_s * max(0.0, tokens - knee))
         shared = shared_prefix_tokens
         shared_prefix_attention_s = 0.0
         if shared:
@@ -125,9 +138,10 @@ class CostModel:
             pairs = chunk.new_tokens * (context + chunk.new_tokens / 2)
             prefill_attention_s += self._attention_s(context + chunk.new_tokens, pairs)
         overhead_s = self.overhead_s + self.per_sequence_s * (num_decode + len(prefill))
-        total = overhead_s + gemm_s + decode_attention_s + prefill_attention_s + shared_prefix_attention_s
+        total = (overhead_s + gemm_s + allreduce_s + decode_attention_s + prefill_attention_s
+                 + shared_prefix_attention_s)
         return IterationCost(total, overhead_s, gemm_s, decode_attention_s, prefill_attention_s,
-                             shared_prefix_attention_s)
+                             shared_prefix_attention_s, allreduce_s)
 
     def decode_run_s(self, num_decode: int, decode_context_tokens: int, count: int) -> list[float]:
         """``iteration(num_decode, k).total_s`` for the ``count`` decode-only iterations from
@@ -137,7 +151,8 @@ class CostModel:
         if num_decode <= 0:
             raise ValueError("a decode run needs at least one decoding sequence")
         fixed = self.iteration(num_decode, 0)
-        base = fixed.overhead_s + fixed.gemm_s  # total = overhead + gemm + attention (+ 0.0s)
+        # total = overhead + gemm + all-reduce + attention (+ 0.0s), added in that order
+        base = fixed.overhead_s + fixed.gemm_s + fixed.allreduce_s
         per_token_bytes, bandwidth = self.kv_bytes_per_token, self.bandwidth
         per_pair, flops = self.attention_flops_per_pair, self.attention_flops
         durations = []

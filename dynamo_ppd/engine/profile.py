@@ -1,6 +1,14 @@
-"""Engine profiles: the hardware, the model's shape, the cost constants and the engine limits of one
-worker, in one validated YAML file. Everything else (weight bytes, FLOPs per token, KV bytes per
-token, KV capacity) is derived here, never stored twice."""
+"""Engine profiles: the hardware, the model's shape, the parallelism, the cost constants and the
+engine limits of one worker, in one validated YAML file. Everything else (weight bytes, FLOPs per
+token, KV bytes per token, KV capacity, each per GPU of a tensor-parallel worker) is derived here,
+never stored twice.
+
+A worker is ``parallel.tensor_parallel`` GPUs (TP). Each holds 1/TP of every weight matrix (the
+attention heads, the MLP's columns, the embedding and LM head by vocabulary: TensorRT-LLM's
+tensor parallelism) and of every token's KV (its KV heads, at least one: a model with fewer KV
+heads than GPUs repeats them), and does 1/TP of the FLOPs; the partial results are summed by two
+all-reduces per layer (after the attention's output projection and after the MLP) over NVLink.
+The `cost` model prices one GPU's shard and those all-reduces."""
 
 from __future__ import annotations
 
@@ -25,6 +33,17 @@ class Hardware(msgspec.Struct, forbid_unknown_fields=True):
     gpu_memory_bytes: PositiveInt
     peak_memory_bandwidth_bytes_s: Positive
     peak_bf16_flops: Positive
+    peak_fp8_flops: Positive | None = None  # dense FP8 tensor-core FLOPs (FP8 weights or KV need it)
+    # One TensorRT-LLM custom all-reduce of n bytes over the GPU's NVLink among k GPUs: a launch
+    # and synchronization floor plus a ring's traffic, 2 (k-1)/k * n, its first
+    # ``allreduce_knee_bytes`` at ``allreduce_bandwidth_bytes_s`` and the rest at
+    # ``allreduce_large_bandwidth_bytes_s`` (small messages use a one-shot kernel that reaches
+    # less of the link than large ones). For the TP degree of the profile; needed when
+    # tensor_parallel > 1.
+    allreduce_latency_s: NonNegative = 0.0
+    allreduce_bandwidth_bytes_s: Positive | None = None
+    allreduce_large_bandwidth_bytes_s: Positive | None = None  # None: the same as below the knee
+    allreduce_knee_bytes: Positive = 8 * 2 ** 20
 
 
 class ModelShape(msgspec.Struct, forbid_unknown_fields=True):
@@ -36,8 +55,9 @@ class ModelShape(msgspec.Struct, forbid_unknown_fields=True):
     head_dim: PositiveInt
     intermediate_size: PositiveInt
     vocab_size: PositiveInt
-    bytes_per_param: PositiveInt = 2
-    kv_bytes_per_element: PositiveInt = 2
+    bytes_per_param: PositiveInt = 2  # 2: bf16 weights; 1: FP8 (GEMMs on FP8 tensor cores)
+    kv_bytes_per_element: PositiveInt = 2  # 2: bf16 KV cache; 1: FP8 (FP8 attention kernels)
+    tie_word_embeddings: bool = False  # the LM head is the embedding table (one copy of it)
 
     @property
     def layer_params(self) -> int:
@@ -53,8 +73,8 @@ class ModelShape(msgspec.Struct, forbid_unknown_fields=True):
 
     @property
     def total_params(self) -> int:
-        """Layers, LM head and the embedding table (untied, as in Llama-3.1-8B)."""
-        return self.layer_params + 2 * self.lm_head_params
+        """Layers, LM head and the embedding table (one table when they are tied)."""
+        return self.layer_params + (1 if self.tie_word_embeddings else 2) * self.lm_head_params
 
     @property
     def weight_bytes(self) -> int:
@@ -73,6 +93,12 @@ class ModelShape(msgspec.Struct, forbid_unknown_fields=True):
     def attention_flops_per_pair(self) -> int:
         """FLOPs for one query token attending to one key token, all layers (QK^T and PV)."""
         return 4 * self.num_layers * self.num_attention_heads * self.head_dim
+
+
+class Parallelism(msgspec.Struct, forbid_unknown_fields=True):
+    """How many GPUs one worker spans: tensor parallelism (TP) within one NVLink domain."""
+
+    tensor_parallel: PositiveInt = 1
 
 
 class CostConstants(msgspec.Struct, forbid_unknown_fields=True):
@@ -167,18 +193,120 @@ class EngineProfile(msgspec.Struct, forbid_unknown_fields=True):
     engine: EngineLimits = msgspec.field(default_factory=EngineLimits)
     transfer: TransferConstants = msgspec.field(default_factory=lambda: LINK_PRESETS["cross-node"])
     stack: StackCosts = msgspec.field(default_factory=StackCosts)
+    parallel: Parallelism = msgspec.field(default_factory=Parallelism)
+
+    # -- one GPU's shard of a worker (the module docstring) ------------------------------------
+
+    @property
+    def tp(self) -> int:
+        return self.parallel.tensor_parallel
+
+    @property
+    def gpu_weight_bytes(self) -> int:
+        """Weights one GPU holds."""
+        return math.ceil(self.model.weight_bytes / self.tp)
+
+    @property
+    def gpu_streamed_weight_bytes(self) -> int:
+        """Weights one GPU reads from HBM every iteration (all its GEMM weights)."""
+        return math.ceil(self.model.streamed_weight_bytes / self.tp)
+
+    @property
+    def gpu_lm_head_bytes(self) -> int:
+        return math.ceil(self.model.lm_head_params * self.model.bytes_per_param / self.tp)
+
+    @property
+    def gpu_layer_flops_per_token(self) -> float:
+        return 2 * self.model.layer_params / self.tp
+
+    @property
+    def gpu_lm_head_flops_per_sample(self) -> float:
+        return 2 * self.model.lm_head_params / self.tp
+
+    @property
+    def kv_heads_per_gpu(self) -> int:
+        return math.ceil(self.model.num_kv_heads / self.tp)
+
+    @property
+    def gpu_kv_bytes_per_token(self) -> int:
+        """KV bytes one GPU holds per token; also what each of the worker's GPUs sends of it in a
+        P->D handoff, all of them at once, each over its own link (TP1: the model's whole KV)."""
+        m = self.model
+        return 2 * m.num_layers * self.kv_heads_per_gpu * m.head_dim * m.kv_bytes_per_element
+
+    @property
+    def gpu_attention_flops_per_pair(self) -> float:
+        """One query token against one key token on one GPU (its heads), all layers."""
+        return self.model.attention_flops_per_pair / self.tp
+
+    @property
+    def gemm_peak_flops(self) -> float:
+        """The tensor cores the GEMMs run on: FP8 for FP8 weights, else bf16."""
+        if self.model.bytes_per_param == 1:
+            return self._fp8_peak("FP8 weights")
+        return self.hardware.peak_bf16_flops
+
+    @property
+    def attention_peak_flops(self) -> float:
+        """The tensor cores attention runs on: FP8 with an FP8 KV cache, else bf16."""
+        return (self._fp8_peak("an FP8 KV cache") if self.model.kv_bytes_per_element == 1
+                else self.hardware.peak_bf16_flops)
+
+    def _fp8_peak(self, what: str) -> float:
+        if self.hardware.peak_fp8_flops is None:
+            raise ProfileError(f"profile {self.name!r}: {what} need hardware.peak_fp8_flops")
+        return self.hardware.peak_fp8_flops
+
+    def allreduce_terms(self) -> tuple[float, float, float, float]:
+        """The two all-reduces per layer of one iteration over t tokens' bf16 activations
+        (hidden_size each) take ``fixed + small * min(t, knee) + large * max(0, t - knee)``:
+        (fixed s, small s/token, knee tokens, large s/token); all 0 at TP1."""
+        if self.tp == 1:
+            return 0.0, 0.0, 0.0, 0.0
+        hw = self.hardware
+        if hw.allreduce_bandwidth_bytes_s is None:
+            raise ProfileError(f"profile {self.name!r}: tensor_parallel {self.tp} needs "
+                               "hardware.allreduce_bandwidth_bytes_s")
+        per_layer = 2 * self.model.num_layers
+        token_bytes = self.model.hidden_size * 2
+        ring = 2 * (self.tp - 1) / self.tp
+        large = hw.allreduce_large_bandwidth_bytes_s or hw.allreduce_bandwidth_bytes_s
+        return (per_layer * hw.allreduce_latency_s,
+                per_layer * ring * token_bytes / hw.allreduce_bandwidth_bytes_s,
+                hw.allreduce_knee_bytes / token_bytes,
+                per_layer * ring * token_bytes / large)
+
+    def allreduce_s(self, tokens: int) -> float:
+        """The all-reduces of one iteration over ``tokens`` tokens (0 at TP1)."""
+        fixed, small, knee, large = self.allreduce_terms()
+        if not small or tokens <= 0:
+            return 0.0
+        return fixed + small * min(tokens, knee) + large * max(0.0, tokens - knee)
+
+    def check(self) -> None:
+        """What the schema's types cannot say: the shard divides, the precisions have their tensor
+        cores, TP has its link, and the model leaves room for a KV cache."""
+        heads, tp = self.model.num_attention_heads, self.tp
+        if heads % tp:
+            raise ProfileError(f"profile {self.name!r}: {heads} attention heads do not split over "
+                               f"tensor_parallel {tp}; choose a TP that divides {heads}")
+        _ = (self.gemm_peak_flops, self.attention_peak_flops)  # raise if FP8 has no peak
+        self.allreduce_terms()
+        self.kv_capacity_blocks()
 
     def kv_capacity_blocks(self) -> int:
         """KV blocks a worker holds: TensorRT-LLM gives the KV pool a fraction of the memory left
-        after weights and runtime reservations."""
-        free = self.hardware.gpu_memory_bytes - self.model.weight_bytes - self.engine.runtime_reserved_bytes
+        on each GPU after its shard of the weights and the runtime's reservations (each GPU holds
+        its shard of every token's KV, so a worker's capacity is one GPU's)."""
+        free = self.hardware.gpu_memory_bytes - self.gpu_weight_bytes - self.engine.runtime_reserved_bytes
         pool = free * self.engine.free_gpu_memory_fraction
-        block_bytes = self.model.kv_bytes_per_token * self.engine.block_size
+        block_bytes = self.gpu_kv_bytes_per_token * self.engine.block_size
         blocks = math.floor(pool / block_bytes)
         if blocks < 1:
             raise ProfileError(f"profile {self.name!r}: no memory left for the KV cache "
                                f"({self.hardware.gpu_memory_bytes} bytes of GPU memory, "
-                               f"{self.model.weight_bytes} of weights)")
+                               f"{self.gpu_weight_bytes} of weights per GPU at TP{self.tp}): "
+                               "raise the TP degree or use a GPU with more memory")
         return blocks
 
 
@@ -206,7 +334,7 @@ def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> EngineProfile:
         profile = msgspec.yaml.decode(path.read_bytes(), type=EngineProfile)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProfileError(f"{path}: invalid engine profile: {exc}") from exc
-    profile.kv_capacity_blocks()  # fail early if the model does not fit
+    profile.check()  # fail early if the model does not fit or split
     return profile
 
 

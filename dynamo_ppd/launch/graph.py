@@ -72,6 +72,16 @@ class Graph(msgspec.Struct, forbid_unknown_fields=True):
     frontend: str = "frontend"
 
 
+# Our own components that take an engine profile (--profile) and a model clock (--speedup): the
+# simulated workers and the routing shells (the relay router also by its old module path).
+PPD_MODULES = ("dynamo_ppd.worker", "dynamo_ppd.relay", "dynamo_ppd.router", "dynamo_ppd.picker")
+
+
+def ppd_components(graph: Graph) -> list[str]:
+    """The names of the graph's components that run one of `PPD_MODULES`."""
+    return [c.name for c in graph.components if any(a in PPD_MODULES for a in c.command)]
+
+
 class GraphError(Exception):
     """A graph file is missing or invalid; the message names the file and the problem."""
 

@@ -381,7 +381,7 @@ def dry_run(opts: ServeOptions, log=print) -> None:
     import shutil
 
     graph, graph_path = load_graph(opts.graph)
-    graph = _with_replicas(graph, opts.replicas)
+    graph = _with_extra_args(_with_replicas(graph, opts.replicas), opts.extra_args)
     model_dir = Path(opts.model_dir or model_dir_mod.default_model_dir())
     run_dir = Path(opts.run_dir or _default_run_dir(graph))
     endpoints = Endpoints(nats_url=opts.nats_url or f"nats://127.0.0.1:{opts.nats_port}",

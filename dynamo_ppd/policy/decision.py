@@ -144,7 +144,7 @@ class ProfilePredictor:
 
     def __init__(self, profile: EngineProfile):
         self.cost = CostModel(profile)
-        self.kv_bytes_per_token = profile.model.kv_bytes_per_token
+        self.kv_bytes_per_token = profile.gpu_kv_bytes_per_token  # each GPU pair moves its shard at once
         self.link_bandwidth = profile.transfer.link_bandwidth_bytes_s
         self.transfer_setup_s = profile.transfer.transfer_setup_s
         # The stack's fixed costs that differ between the routes (the request overhead is paid

@@ -135,7 +135,7 @@ class Cluster:
             raise ValueError("a cluster needs at least one worker and no negative counts")
         self.profile = profile
         self.stack = profile.stack
-        self.kv_bytes_per_token = profile.model.kv_bytes_per_token
+        self.kv_bytes_per_token = profile.gpu_kv_bytes_per_token  # each GPU pair moves its shard at once
         constants = link or profile.transfer
         bandwidth = constants.link_bandwidth_bytes_s
         if link_bandwidth_bytes_s is not None:  # 0 or less is refused by the link, not replaced

@@ -156,7 +156,7 @@ class SimulatedTrtllmHandler:
     def _start_transfer(self, request: EngineRequest, ready_at: float, first_token: int) -> dict:
         """Queue the prompt's KV on this prefill worker's link; the decode worker's params."""
         num_bytes, start, finish = ship_prompt_kv(self.link, request.prompt_tokens,
-                                                  self.profile.model.kv_bytes_per_token, ready_at)
+                                                  self.profile.gpu_kv_bytes_per_token, ready_at)
         handle = TransferHandle(transfer_id=request.request_id, source_worker=self.instance_id,
                                 prompt_tokens=request.prompt_tokens, num_bytes=num_bytes,
                                 kv_ready_at=finish, link_queue_s=start - ready_at)
