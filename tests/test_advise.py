@@ -10,6 +10,7 @@ import pytest
 from dynamo_ppd.advisor import advise
 from dynamo_ppd.advisor.advise import Measured, Slo
 from dynamo_ppd.cli import main
+from dynamo_ppd.engine.profile import DEFAULT_PROFILE, load_profile
 
 pytestmark = pytest.mark.unit
 
@@ -37,8 +38,6 @@ def test_policies_per_kind():
 
 
 def test_every_candidate_has_a_router():
-    from dynamo_ppd.engine.profile import DEFAULT_PROFILE, load_profile
-
     profile = load_profile(DEFAULT_PROFILE)
     for spec in advise.plan(8, [1.0]):  # 8 GPUs: splits with no shipped table predict from the profile
         config, router = advise.make_router(profile, DEFAULT_PROFILE, spec.deployment, spec.policy, 0)
@@ -115,7 +114,13 @@ def test_a_whole_run_prints_the_choice_and_writes_json_and_plot(tmp_path, capsys
 @pytest.mark.parametrize("argv, message", [
     (["--workload", "wildchat", "--gpus", "4"], "needs --rate"),
     (["--workload", "nope", "--rate", "1", "--gpus", "4"], "nope"),
-    (["--workload", "wildchat", "--rate", "1", "--gpus", "1"], "at least 2 GPUs"),
+    (["--workload", "wildchat", "--rate", "1", "--gpus", "1"], "at least 2 workers"),
+    (["--workload", "wildchat", "--rate", "1", "--gpus", "8", "--tp-choices", "2"],
+     "--tp-choices needs --model"),
+    (["--workload", "wildchat", "--rate", "1", "--gpus", "8", "--model", "Llama-3.1-70B-Instruct",
+      "--tp-choices", "1"], "fits no TP degree of [1] on h100"),
+    (["--workload", "wildchat", "--rate", "1", "--gpus", "4", "--model", "Llama-3.1-70B-Instruct",
+      "--tp-choices", "4,8"], "4 GPUs make no 2 workers at TP 4, 8"),
     (["--workload", "wildchat", "--rate", "1", "--gpus", "4", "--profile", "nope"], "nope"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
@@ -129,3 +134,49 @@ def test_the_tail_counts_a_median_one_percent_better_does_not_win_with_a_p99_twe
     ppd = _m("1P3D", "ppd@1,1", 0.0172, 0.0085, p99=0.0198)
     choice = advise.recommend([replicas, ppd], (1.0, 1.0), Slo(), 1.5)
     assert choice.best is ppd and choice.runner_up is replicas
+
+
+def test_evenly_spreads_keeping_both_ends():
+    from dynamo_ppd.advisor.search import evenly
+
+    assert evenly(list(range(1, 8)), 8) == list(range(1, 8))
+    picks = evenly(list(range(1, 64)), 8)
+    assert picks[0] == 1 and picks[-1] == 63 and len(picks) == 8
+    assert max(b - a for a, b in zip(picks, picks[1:], strict=False)) <= 9
+
+
+@pytest.mark.slow
+def test_the_staged_search_recommends_what_the_exhaustive_one_does():
+    """On a fixed seed, the staged search (a fraction of the simulations) makes the same choice as
+    simulating every candidate, and every candidate it ran measured the same."""
+    from dynamo_ppd.advisor.search import Runner, search
+    from dynamo_ppd.workloads.generators import make_workload
+
+    manifest = make_workload("wildchat", 5.0, 12.0, 0)
+    profile = load_profile(DEFAULT_PROFILE)
+    results = {}
+    for how in ("staged", "exhaustive"):
+        runner = Runner(manifest, {1: profile}, 1, link="cross-node", gpus=12, rate=5.0, timeout_s=30.0,
+                        seed=0, slo=Slo())
+        points = search(runner, 12, [1.0], (1.0, 1.0), Slo(), how)
+        results[how] = (points, advise.recommend(points, (1.0, 1.0), Slo(), 1.0))
+    staged, exhaustive = results["staged"], results["exhaustive"]
+    assert len(staged[0]) < 0.75 * len(exhaustive[0])
+    assert staged[1].best.key == exhaustive[1].best.key
+    every = {p.key: p for p in exhaustive[0]}
+    assert all(every[p.key] == p for p in staged[0])
+
+
+def test_a_model_is_searched_at_each_tp_it_fits_with_the_bundled_refit_where_one_ships():
+    import argparse
+
+    from dynamo_ppd.cli.advise import profiles_for
+
+    args = argparse.Namespace(model="Llama-3.1-70B-Instruct", config=None, profile=None, gpu="h100",
+                              dtype="bf16", tp_choices=None)
+    profiles = profiles_for(args)
+    assert sorted(profiles) == [2, 4, 8]  # TP1 does not hold 70B on an 80 GB GPU
+    bundled = load_profile("h100-llama3.1-70b-tp4")
+    assert profiles[4] == bundled and profiles[2].name == "h100-llama3.1-70b-tp2"
+    assert profiles_for(argparse.Namespace(model=None, config=None, profile=None, tp_choices=None)) == \
+        {1: load_profile(DEFAULT_PROFILE)}

@@ -1,6 +1,8 @@
 """`dynamo-ppd advise`: which deployment to run, for a workload and a GPU count.
 
-It simulates, on the virtual clock and the engine profile, every way to spend the GPUs:
+It simulates, on the virtual clock and the engine profile, ways to spend the GPUs (a worker is
+the profile's TP GPUs; with several TP degrees, each degree's workers in turn: `search` says
+which candidates run, all of them or a staged search):
 
 - ``NR``: N aggregated replicas, placed by Dynamo's KV router (`peers.DynamoKvRouter`);
 - every P:D split ``pPdD`` (p + d = N), routed by PPD at a sweep of weights (``ppd@W_TTFT,W_TPOT``,
@@ -41,7 +43,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import msgspec
 
-from ..engine.profile import EngineProfile, link_preset, load_profile
+from ..engine.profile import EngineProfile, link_preset
 from ..paper.protocol import simulate_point
 from ..policy.simulate import ppd_router as simulate_ppd_router
 from ..policy.table import Weights, load_table, shipped_table
@@ -131,16 +133,17 @@ class Slo(msgspec.Struct, frozen=True):
 
 
 class CandidateSpec(msgspec.Struct, frozen=True):
-    deployment: str
+    deployment: str  # in workers of ``tp`` GPUs each
     policy: str
     rate_factor: float
+    tp: int = 1
 
 
 class Measured(msgspec.Struct, frozen=True):
     """One candidate at one rate, on the requests a user waits on (turns 2+, or all turns of a
     single-turn workload)."""
 
-    deployment: str
+    deployment: str  # in workers of ``tp`` GPUs each
     policy: str
     rate_factor: float
     rate: float  # conversations per second
@@ -152,6 +155,12 @@ class Measured(msgspec.Struct, frozen=True):
     tokens_per_s_per_gpu: float
     slo_attainment: float | None  # share of those requests within both SLOs (None: no SLO)
     local_share: float  # follow-ups run decode-local (P/D only)
+    tp: int = 1  # GPUs per worker
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """The candidate, whatever its rate."""
+        return self.deployment, self.policy, self.tp
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -164,7 +173,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 class Job(msgspec.Struct, frozen=True):
     """Everything one simulation needs, picklable for a worker process."""
 
-    profile: str
+    profile: EngineProfile  # the candidate's TP degree's (its name finds a shipped table)
     link: str
     gpus: int
     manifest: bytes  # the workload at the candidate's rate (msgspec JSON of `Manifest`)
@@ -176,9 +185,10 @@ class Job(msgspec.Struct, frozen=True):
 
 
 def run_job(job: Job) -> Measured:
-    profile = load_profile(job.profile)
+    profile = job.profile
     manifest = msgspec.json.decode(job.manifest, type=Manifest)
-    cluster_config, router = make_router(profile, job.profile, job.spec.deployment, job.spec.policy, job.seed)
+    cluster_config, router = make_router(profile, profile.name, job.spec.deployment, job.spec.policy,
+                                         job.seed)
     result = simulate_point(profile, cluster_config, router, to_sim(manifest), job.timeout_s, job.seed,
                             link_preset(job.link))
     outcome = result.outcome()
@@ -192,27 +202,32 @@ def run_job(job: Job) -> Measured:
     return Measured(job.spec.deployment, job.spec.policy, job.spec.rate_factor, job.rate,
                     outcome.success_rate, len(waited), _percentile(ttfts, 0.5), _percentile(ttfts, 0.99),
                     _percentile(tpots, 0.5), outcome.tokens_per_sec / job.gpus, attainment,
-                    result.local_share() if kind_of(job.spec.deployment) == "pd" else 0.0)
+                    result.local_share() if kind_of(job.spec.deployment) == "pd" else 0.0, job.spec.tp)
 
 
-def plan(gpus: int, rate_factors: Sequence[float], weights: Sequence[tuple[float, float]] = PPD_WEIGHTS
-         ) -> list[CandidateSpec]:
-    return [CandidateSpec(d, p, f) for f in rate_factors for d in deployments(gpus)
+def plan(workers: int, rate_factors: Sequence[float], weights: Sequence[tuple[float, float]] = PPD_WEIGHTS,
+         tp: int = 1) -> list[CandidateSpec]:
+    """Every candidate of ``workers`` workers of ``tp`` GPUs at each rate factor."""
+    return [CandidateSpec(d, p, f, tp) for f in rate_factors for d in deployments(workers)
             for p in policies_for(d, weights)]
 
 
 def shortlist(nominal: Sequence[Measured], weights: tuple[float, float], slo: Slo,
-              size: int = SHORTLIST) -> list[tuple[str, str]]:
+              size: int = SHORTLIST) -> list[tuple[str, str, int]]:
     """(deployment, policy) of the candidates worth a look around the rate: the best ``size`` at
     the workload's rate (by SLO attainment, then weighted cost), and the replicas whatever their
     rank (the baseline every P/D deployment is weighed against)."""
-    costs = weighted_costs(nominal, weights)
-    ranked = sorted((p for p in nominal if id(p) in costs),
-                    key=lambda p: (-(p.slo_attainment or 0.0) if slo.given else 0.0, costs[id(p)]))
-    keep = [(p.deployment, p.policy) for p in ranked[:size]]
-    keep += [(p.deployment, p.policy) for p in nominal
-             if kind_of(p.deployment) == "replicas" and (p.deployment, p.policy) not in keep]
+    keep = [p.key for p in rank(nominal, weights, slo)[:size]]
+    keep += [p.key for p in nominal if kind_of(p.deployment) == "replicas" and p.key not in keep]
     return keep
+
+
+def rank(points: Sequence[Measured], weights: tuple[float, float], slo: Slo) -> list[Measured]:
+    """The eligible ``points``, best first: by SLO attainment when SLOs are given, then by the
+    weighted cost among them."""
+    costs = weighted_costs(points, weights)
+    return sorted((p for p in points if id(p) in costs),
+                  key=lambda p: (-(p.slo_attainment or 0.0) if slo.given else 0.0, costs[id(p)]))
 
 
 def simulate_all(jobs: Sequence[Job], processes: int, on_done: Callable[[], None] = lambda: None
@@ -233,8 +248,9 @@ def simulate_all(jobs: Sequence[Job], processes: int, on_done: Callable[[], None
         return results
 
 
-def jobs_for(manifest: Manifest, specs: Sequence[CandidateSpec], *, profile: str, link: str, gpus: int,
-             rate: float, timeout_s: float, seed: int, slo: Slo) -> list[Job]:
+def jobs_for(manifest: Manifest, specs: Sequence[CandidateSpec], *, profiles: dict[int, EngineProfile],
+             link: str, gpus: int, rate: float, timeout_s: float, seed: int, slo: Slo) -> list[Job]:
+    """One job per spec; ``profiles``: the engine profile of each TP degree."""
     encoded: dict[float, bytes] = {}
     jobs = []
     for spec in specs:
@@ -242,8 +258,8 @@ def jobs_for(manifest: Manifest, specs: Sequence[CandidateSpec], *, profile: str
             scaled = (scale_arrivals(manifest, rate * spec.rate_factor) if spec.rate_factor != 1.0
                       else manifest)
             encoded[spec.rate_factor] = msgspec.json.encode(scaled)
-        jobs.append(Job(profile, link, gpus, encoded[spec.rate_factor], timeout_s, seed, slo, spec,
-                        rate * spec.rate_factor))
+        jobs.append(Job(profiles[spec.tp], link, gpus, encoded[spec.rate_factor], timeout_s, seed, slo,
+                        spec, rate * spec.rate_factor))
     return jobs
 
 
@@ -299,19 +315,18 @@ def recommend(points: Sequence[Measured], weights: tuple[float, float], slo: Slo
     if not ok:
         return None
     costs = weighted_costs(nominal, weights)
-    headroom = {(p.deployment, p.policy): p.slo_attainment or 0.0
-                for p in points if p.rate_factor == top_factor}
+    headroom = {p.key: p.slo_attainment or 0.0 for p in points if p.rate_factor == top_factor}
 
     def key(p: Measured) -> tuple[float, ...]:
         if slo.given:
-            return (-(p.slo_attainment or 0.0), -headroom.get((p.deployment, p.policy), 0.0), costs[id(p)])
+            return (-(p.slo_attainment or 0.0), -headroom.get(p.key, 0.0), costs[id(p)])
         return (costs[id(p)],)
 
     ranked = sorted(ok, key=key)
     best = ranked[0]
     references = [p for p in eligible(nominal) if p.policy in REFERENCE_POLICIES and key(p) < key(best)]
     better = min(references, key=key) if references else None
-    runner = next((p for p in ranked[1:] if p.deployment != best.deployment), None)
+    runner = next((p for p in ranked[1:] if (p.deployment, p.tp) != (best.deployment, best.tp)), None)
     if runner is None:
         return Recommendation(best, None, "only candidate", "no other deployment met the success bar", better)
     kb, kr = key(best), key(runner)

@@ -14,8 +14,10 @@ from pathlib import Path
 import msgspec
 
 from ..advisor import advise
+from ..advisor.search import SEARCHES, Runner, planned, search
 from ..argtypes import cli_error, positive_floats, positive_int
-from ..engine.profile import DEFAULT_PROFILE, LINK_PRESETS, ProfileError, load_profile
+from ..engine.presets import DTYPES, GPUS, MODELS, build_profile, describe, model_config
+from ..engine.profile import DEFAULT_PROFILE, LINK_PRESETS, EngineProfile, ProfileError, load_profile
 from ..experiment.progress import Progress
 from ..sim.outcome import CHAT_TIMEOUT_S
 from ..workloads.generators import WORKLOADS, UnknownWorkload, make_workload
@@ -54,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--manifest", type=Path, metavar="PATH",
                         help="a workload manifest (JSONL, docs/manifest.md): a trace, or one written "
                         "by `dynamo-ppd bench`")
-    parser.add_argument("--gpus", type=positive_int, required=True, help="GPUs to spend (one per worker)")
+    parser.add_argument("--gpus", type=positive_int, required=True,
+                        help="GPUs to spend (a worker is the profile's TP GPUs)")
     parser.add_argument("--rate", type=float, metavar="CONV/S",
                         help="conversations per second (default: the manifest's own; a named "
                         "workload: required)")
@@ -69,7 +72,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-factors", type=positive_floats("rate factors"),
                         default=list(advise.RATE_FACTORS), metavar="F,F,...",
                         help="rates to simulate, as multiples of the workload's (1 is always run)")
-    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="engine profile (name or YAML path)")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--profile", default=None,
+                       help=f"engine profile (name or YAML path), TP as it says (default: {DEFAULT_PROFILE})")
+    model.add_argument("--model", metavar="NAME",
+                       help=f"a shipped model ({', '.join(MODELS)}): profiles are built for it at each "
+                       "TP degree of --tp-choices (`dynamo-ppd engine profile`; the bundled refit "
+                       "profile where one ships)")
+    model.add_argument("--config", type=Path, metavar="PATH", help="the same for a model's config.json")
+    parser.add_argument("--gpu", choices=list(GPUS), default="h100", help="GPU of --model/--config")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="precision of --model/--config")
+    parser.add_argument("--tp-choices", type=_tp_choices, metavar="N,N,...",
+                        help="TP degrees to search with --model/--config (default: 1,2,4,8, those the "
+                        "model fits and splits over)")
+    parser.add_argument("--search", choices=SEARCHES, default="staged",
+                        help="staged: scan the splits, refine around the best, every policy on the best "
+                        "three (`dynamo_ppd.advisor.search`); exhaustive: every candidate")
     parser.add_argument("--link", default="cross-node", choices=sorted(LINK_PRESETS),
                         help="KV link between prefill and decode workers")
     parser.add_argument("--timeout", type=float, default=CHAT_TIMEOUT_S, metavar="SECONDS",
@@ -79,6 +97,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulations run in parallel")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every candidate and the choice here")
     parser.add_argument("--plot", type=Path, metavar="PNG", help="draw TTFT against TPOT of the candidates")
+
+
+def _tp_choices(text: str) -> list[int]:
+    try:
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TP degrees like 1,2,4,8") from None
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: TP degrees are integers >= 1")
+    return values
+
+
+def profiles_for(args: argparse.Namespace) -> dict[int, EngineProfile]:
+    """The engine profile of each TP degree searched: --profile's alone, or --model/--config's at
+    each of --tp-choices it fits (a bundled refit profile where one ships for it)."""
+    if args.model is None and args.config is None:
+        if args.tp_choices:
+            raise ProfileError("--tp-choices needs --model or --config (a --profile has its own TP)")
+        profile = load_profile(args.profile or DEFAULT_PROFILE)
+        return {profile.tp: profile}
+    name, config = model_config(str(args.config) if args.config else args.model)
+    out, why = {}, []
+    for tp in args.tp_choices or [1, 2, 4, 8]:
+        try:
+            built = build_profile(config, name, gpu=args.gpu, tp=tp, dtype=args.dtype)
+        except ProfileError as exc:
+            why.append(str(exc))
+            continue
+        try:  # the refit profile of that name, if one ships and is this model at this TP
+            bundled = load_profile(built.name)
+            built = bundled if (bundled.model, bundled.parallel) == (built.model, built.parallel) else built
+        except ProfileError:
+            pass
+        out[tp] = built
+    if not out:
+        raise ProfileError(f"{name} fits no TP degree of {args.tp_choices or [1, 2, 4, 8]} on {args.gpu}: "
+                           + "; ".join(why))
+    return out
 
 
 def _workload(args: argparse.Namespace) -> tuple[Manifest, float, str]:
@@ -100,16 +156,21 @@ def _fmt_ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.0f}" if v >= 0.1 else f"{v * 1e3:.1f}"
 
 
+def _label(p: advise.Measured) -> str:
+    """``1P3D``, or ``1P3D@TP4`` for workers of 4 GPUs."""
+    return p.deployment if p.tp == 1 else f"{p.deployment}@TP{p.tp}"
+
+
 def format_table(points: list[advise.Measured], front: list[advise.Measured], best: advise.Measured | None,
                  costs: dict[int, float], slo: bool) -> str:
-    head = (f"{'':2}{'deployment':<14}{'policy':<26}{'TTFT p50':>9}{'p99':>8}{'TPOT p50':>9}"
+    head = (f"{'':2}{'deployment':<18}{'policy':<26}{'TTFT p50':>9}{'p99':>8}{'TPOT p50':>9}"
             f"{'tok/s/GPU':>10}{'ok %':>7}{'local':>7}{'cost':>7}" + (f"{'SLO met':>9}" if slo else ""))
     lines = [head]
-    for p in sorted(points, key=lambda p: (costs.get(id(p), 99.0), p.deployment)):
+    for p in sorted(points, key=lambda p: (costs.get(id(p), 99.0), p.deployment, p.tp)):
         mark = ">>" if p is best else " *" if p in front else "  "
         local = f"{p.local_share:.0%}" if advise.kind_of(p.deployment) == "pd" else "-"
         cost = f"{costs[id(p)]:.2f}" if id(p) in costs else "-"
-        lines.append(f"{mark}{p.deployment:<14}{p.policy:<26}{_fmt_ms(p.ttft_p50_s):>9}"
+        lines.append(f"{mark}{_label(p):<18}{p.policy:<26}{_fmt_ms(p.ttft_p50_s):>9}"
                      f"{_fmt_ms(p.ttft_p99_s):>8}"
                      f"{_fmt_ms(p.tpot_p50_s):>9}{p.tokens_per_s_per_gpu:>10.0f}{p.success_rate:>7.1f}"
                      f"{local:>7}{cost:>7}" + (f"{p.slo_attainment or 0.0:>9.1%}" if slo else ""))
@@ -145,40 +206,42 @@ def _plot(path: Path, points: list[advise.Measured], front: list[advise.Measured
 
 def main(args: argparse.Namespace) -> int:
     try:
-        load_profile(args.profile)
+        profiles = profiles_for(args)
         manifest, rate, source = _workload(args)
     except (ProfileError, ManifestError, UnknownWorkload, OSError) as exc:
         return cli_error(exc)
     if not rate > 0:
         return cli_error(f"--rate {rate} must be > 0 conversations per second")
-    try:
-        advise.deployments(args.gpus)
-    except ValueError as exc:
-        return cli_error(exc)
+    degrees = [tp for tp in sorted(profiles) if args.gpus % tp == 0 and args.gpus // tp >= 2]
+    if not degrees:
+        return cli_error(f"{args.gpus} GPUs make no 2 workers at TP {', '.join(map(str, sorted(profiles)))}: "
+                         "advise needs at least 2 workers (a P:D split has a prefill and a decode worker)")
     factors = sorted({1.0, *args.rate_factors})
     slo = advise.Slo(args.slo_ttft, args.slo_tpot)
-    job_args = dict(profile=args.profile, link=args.link, gpus=args.gpus, rate=rate, timeout_s=args.timeout,
-                    seed=args.seed, slo=slo)
-    specs = advise.plan(args.gpus, [1.0])
     others = [f for f in factors if f != 1.0]
     single_turn = all(len(c.turns) == 1 for c in manifest.conversations)
-    planned = len(specs) + len(others) * (advise.SHORTLIST + 1)
+    expected = planned(args.gpus, degrees, factors, args.search)
+    name = next(iter(profiles.values())).model.name
     print(f"advise: {source} at {rate:g} conv/s ({len(manifest.conversations)} conversations), {args.gpus} "
-          f"GPUs, {args.profile}, {args.link} link: {len(specs)} candidates, then the best "
-          f"{advise.SHORTLIST} and the replicas at x{', x'.join(f'{f:g}' for f in others) or ' none'} "
-          f"of the rate; ~{planned} simulations on {args.processes} processes", file=sys.stderr)
-    progress = Progress(planned, "advise", unit="simulations", every_s=15)
+          f"GPUs, {name} at TP {', '.join(map(str, degrees))}, {args.link} link; {args.search} search, then "
+          f"the best {advise.SHORTLIST} and the replicas at "
+          f"x{', x'.join(f'{f:g}' for f in others) or ' none'} "
+          f"of the rate; ~{expected} simulations on {args.processes} processes", file=sys.stderr)
+    for tp in degrees:
+        print(f"  {describe(profiles[tp])}", file=sys.stderr)
+    progress = Progress(expected, "advise", unit="simulations", every_s=15)
     started = time.monotonic()
-    nominal = advise.simulate_all(advise.jobs_for(manifest, specs, **job_args), args.processes, progress.step)
-    keep = advise.shortlist(nominal, args.weights, slo)
-    around = [advise.CandidateSpec(d, p, f) for f in others for d, p in keep]
-    points = nominal + advise.simulate_all(advise.jobs_for(manifest, around, **job_args), args.processes,
-                                           progress.step)
+    runner = Runner(manifest, {tp: profiles[tp] for tp in degrees}, args.processes, progress.step,
+                    link=args.link, gpus=args.gpus, rate=rate, timeout_s=args.timeout, seed=args.seed,
+                    slo=slo)
+    points = search(runner, args.gpus, factors, args.weights, slo, args.search)
+    nominal = [p for p in points if p.rate_factor == 1.0]
     front = advise.pareto_front(nominal)
     choice = advise.recommend(points, args.weights, slo, max(factors))
     costs = advise.weighted_costs(nominal, args.weights)
     over = "every turn (single-turn workload)" if single_turn else "follow-up turns (2+)"
-    print(f"{source}: {rate:g} conv/s, {args.gpus} GPUs ({args.profile}, {args.link} link); latencies over "
+    profile_names = ", ".join(profiles[tp].name for tp in degrees)
+    print(f"{source}: {rate:g} conv/s, {args.gpus} GPUs ({profile_names}, {args.link} link); latencies over "
           f"{over}; cost = {args.weights[0]:g} x (TTFT p50/best + p99/best)/2 + {args.weights[1]:g} x "
           f"TPOT p50/best"
           + (f"; SLOs TTFT {_fmt_ms(slo.ttft_s)} ms, TPOT {_fmt_ms(slo.tpot_s)} ms" if slo.given else ""))
@@ -192,7 +255,7 @@ def main(args: argparse.Namespace) -> int:
             at = [p for p in points if p.rate_factor == factor]
             c = advise.weighted_costs(at, args.weights)
             ranked = sorted((p for p in at if id(p) in c), key=lambda p: c[id(p)])[:3]
-            row = "; ".join(f"{p.deployment} {p.policy} {c[id(p)]:.2f}"
+            row = "; ".join(f"{_label(p)} {p.policy} {c[id(p)]:.2f}"
                             + (f" ({p.slo_attainment or 0:.0%})" if slo.given else "") for p in ranked)
             print(f"  x{factor:<4g} {rate * factor:>7.2f} conv/s  best: {row or 'none met the success bar'}")
     if choice is None:
@@ -200,21 +263,26 @@ def main(args: argparse.Namespace) -> int:
     else:
         b = choice.best
         weights = f" with PPD weights {b.policy[4:]}" if b.policy.startswith("ppd@") else f" ({b.policy})"
-        print(f"\nrecommended: {b.deployment}{weights}; decided by {choice.key}: {choice.margin}"
-              + (f"; runner-up {choice.runner_up.deployment} {choice.runner_up.policy}"
+        workers = args.gpus // b.tp
+        print(f"\nrecommended: {b.deployment} at TP{b.tp} ({workers} workers of {b.tp} GPU"
+              f"{'s' if b.tp > 1 else ''}, {profiles[b.tp].name}){weights}; decided by {choice.key}: "
+              f"{choice.margin}"
+              + (f"; runner-up {_label(choice.runner_up)} {choice.runner_up.policy}"
                  if choice.runner_up else ""))
         if choice.better_reference is not None:
             r = choice.better_reference
-            print(f"note: the reference policy {r.policy} on {r.deployment} did better on the same key "
+            print(f"note: the reference policy {r.policy} on {_label(r)} did better on the same key "
                   f"(see the table); run the picker with --mode {_MODES.get(r.policy, r.policy)} for it")
     if args.plot:
         _plot(args.plot, nominal, front, choice.best if choice else None,
-              f"{source}, {rate:g} conv/s, {args.gpus} GPUs ({args.profile})")
+              f"{source}, {rate:g} conv/s, {args.gpus} GPUs ({profile_names})")
         print(f"plot: {args.plot}")
     if args.json:
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode({
-            "source": source, "rate": rate, "gpus": args.gpus, "profile": args.profile, "link": args.link,
-            "weights": args.weights, "slo": slo, "single_turn": single_turn, "points": points,
-            "pareto_front": [[p.deployment, p.policy] for p in front], "recommendation": choice})))
+            "source": source, "rate": rate, "gpus": args.gpus,
+            "profiles": {tp: profiles[tp].name for tp in degrees},
+            "link": args.link, "search": args.search, "weights": args.weights, "slo": slo,
+            "single_turn": single_turn, "points": points,
+            "pareto_front": [[p.deployment, p.policy, p.tp] for p in front], "recommendation": choice})))
         print(f"json: {args.json}")
     return 0
