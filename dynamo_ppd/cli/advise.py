@@ -16,7 +16,7 @@ import msgspec
 from ..advisor import advise
 from ..advisor.search import SEARCHES, Runner, planned, search
 from ..argtypes import cli_error, positive_floats, positive_int
-from ..engine.presets import DTYPES, GPUS, MODELS, build_profile, describe, model_config
+from ..engine.presets import DTYPES, GPUS, MODELS, TP_CHOICES, describe, model_config, tp_profiles
 from ..engine.profile import DEFAULT_PROFILE, LINK_PRESETS, EngineProfile, ProfileError, load_profile
 from ..experiment.progress import Progress
 from ..sim.outcome import CHAT_TIMEOUT_S
@@ -118,23 +118,7 @@ def profiles_for(args: argparse.Namespace) -> dict[int, EngineProfile]:
         profile = load_profile(args.profile or DEFAULT_PROFILE)
         return {profile.tp: profile}
     name, config = model_config(str(args.config) if args.config else args.model)
-    out, why = {}, []
-    for tp in args.tp_choices or [1, 2, 4, 8]:
-        try:
-            built = build_profile(config, name, gpu=args.gpu, tp=tp, dtype=args.dtype)
-        except ProfileError as exc:
-            why.append(str(exc))
-            continue
-        try:  # the refit profile of that name, if one ships and is this model at this TP
-            bundled = load_profile(built.name)
-            built = bundled if (bundled.model, bundled.parallel) == (built.model, built.parallel) else built
-        except ProfileError:
-            pass
-        out[tp] = built
-    if not out:
-        raise ProfileError(f"{name} fits no TP degree of {args.tp_choices or [1, 2, 4, 8]} on {args.gpu}: "
-                           + "; ".join(why))
-    return out
+    return tp_profiles(config, name, gpu=args.gpu, dtype=args.dtype, choices=args.tp_choices or TP_CHOICES)
 
 
 def _workload(args: argparse.Namespace) -> tuple[Manifest, float, str]:

@@ -196,6 +196,31 @@ def build_profile(config: dict[str, Any], model: str, *, gpu: str, tp: int = 1, 
     return profile
 
 
+TP_CHOICES = (1, 2, 4, 8)
+
+
+def tp_profiles(config: dict[str, Any], model: str, *, gpu: str, dtype: Dtype = "bf16",
+                choices: tuple[int, ...] | list[int] = TP_CHOICES) -> dict[int, EngineProfile]:
+    """The model's profile at each TP degree of ``choices`` it fits and splits over; where a
+    bundled profile of the same name is this model at that degree, the bundled (refit) one."""
+    out, why = {}, []
+    for tp in choices:
+        try:
+            built = build_profile(config, model, gpu=gpu, tp=tp, dtype=dtype)
+        except ProfileError as exc:
+            why.append(str(exc))
+            continue
+        try:
+            bundled = load_profile(built.name)
+        except ProfileError:
+            bundled = None
+        same = bundled is not None and (bundled.model, bundled.parallel) == (built.model, built.parallel)
+        out[tp] = bundled if same and bundled is not None else built
+    if not out:
+        raise ProfileError(f"{model} fits no TP degree of {list(choices)} on {gpu}: " + "; ".join(why))
+    return out
+
+
 def kv_tokens(profile: EngineProfile) -> int:
     """The KV cache of one worker, in tokens."""
     return profile.kv_capacity_blocks() * profile.engine.block_size
