@@ -15,7 +15,7 @@ kernel classes that run one after another in each layer:
   in the batch (zero for TensorRT-LLM; a Python engine loop's per-request work otherwise).
 - With tensor parallelism (a worker of TP GPUs), every term above is one GPU's shard (1/TP of
   the weights, heads and FLOPs; its KV heads), plus two all-reduces per layer of the iteration's
-  activations over NVLink (`EngineProfile.allreduce_s`: a latency floor and a bus bandwidth).
+  activations over NVLink (`EngineProfile.allreduce_s`: a latency floor and bus bandwidths).
 
 Why append-prefill disturbs decoding so little: an append of m tokens onto n cached ones adds m
 tokens of GEMM work (often hidden under the weight streaming that decoding pays anyway) and
