@@ -133,3 +133,24 @@ def test_specs_that_simulate_the_same_cluster_share_one_run(tmp_path, capsys):
     assert sorted((p["config"], p["link"]) for p in points) == [
         ("1P3D", "cross-node"), ("1P3D", "intra-node"), ("3P1D", "cross-node"), ("3P1D", "intra-node")]
     assert len({(p["turn2_ttft_s"], p["turn2_tpot_s"]) for p in points}) == 1
+
+
+@pytest.mark.e2e  # runs the summary in processes with different string hash seeds
+def test_a_tie_for_beaten_most_by_goes_the_same_way_in_every_process():
+    """Two policies that each beat x0 once: the report names the same one whatever the process's
+    hash seed (it iterated a set of names, so sim compare's report changed from run to run)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from test_policies import point; from dynamo_ppd.studies.policies import summarize_standings;"
+            "a = [point('x0', 0.10, 0.010), point('x1', 0.05, 0.010)];"
+            "b = [point('x0', 0.10, 0.010), point('replicas', 0.05, 0.010)];"
+            "print({s.policy: s for s in summarize_standings([a, b], w_tpot=1)}['x0'].beaten_most_by)")
+    answers = set()
+    for seed in range(8):
+        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+        done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
+                              capture_output=True, text=True, timeout=60, check=True)
+        answers.add(done.stdout.strip())
+    assert answers == {"replicas"}  # a tie goes to the first name

@@ -267,7 +267,8 @@ def summarize_standings(groups: Iterable[Sequence[PolicyPoint]], w_tpot: float,
         summaries.append(PolicySummary(
             policy, len(items), results.count("win"), results.count("tie"), results.count("loss"),
             sum(s.score >= -TIE for s in items) / len(items), sum(s.score > TIE for s in items) / len(items),
-            max(set(losers), key=losers.count) if losers else None))
+            # A tie goes to the first name: a set's order changes with the process's hash seed.
+            max(sorted(set(losers)), key=losers.count) if losers else None))
     return sorted(summaries, key=lambda s: (-s.at_least_minus_tie, s.policy))
 
 
