@@ -116,7 +116,9 @@ def test_a_whole_run_prints_the_choice_and_writes_json_and_plot(tmp_path, capsys
     (["--workload", "nope", "--rate", "1", "--gpus", "4"], "nope"),
     (["--workload", "wildchat", "--rate", "1", "--gpus", "1"], "at least 2 workers"),
     (["--workload", "wildchat", "--rate", "1", "--gpus", "8", "--tp-choices", "2"],
-     "--tp-choices needs --model"),
+     "--tp-choices need --model or --config"),
+    (["--workload", "wildchat", "--rate", "1", "--gpus", "8", "--profile", "h200-llama3.1-8b",
+      "--gpu", "h100"], "--gpu need --model or --config"),
     (["--workload", "wildchat", "--rate", "1", "--gpus", "8", "--model", "Llama-3.1-70B-Instruct",
       "--tp-choices", "1"], "fits no TP degree of [1] on h100"),
     (["--workload", "wildchat", "--rate", "1", "--gpus", "4", "--model", "Llama-3.1-70B-Instruct",
@@ -172,11 +174,12 @@ def test_a_model_is_searched_at_each_tp_it_fits_with_the_bundled_refit_where_one
 
     from dynamo_ppd.cli.advise import profiles_for
 
-    args = argparse.Namespace(model="Llama-3.1-70B-Instruct", config=None, profile=None, gpu="h100",
-                              dtype="bf16", tp_choices=None)
+    args = argparse.Namespace(model="Llama-3.1-70B-Instruct", config=None, profile=None, gpu=None,
+                              dtype=None, tp_choices=None)
     profiles = profiles_for(args)
     assert sorted(profiles) == [2, 4, 8]  # TP1 does not hold 70B on an 80 GB GPU
     bundled = load_profile("h100-llama3.1-70b-tp4")
     assert profiles[4] == bundled and profiles[2].name == "h100-llama3.1-70b-tp2"
-    assert profiles_for(argparse.Namespace(model=None, config=None, profile=None, tp_choices=None)) == \
+    assert profiles_for(argparse.Namespace(model=None, config=None, profile=None, tp_choices=None, gpu=None,
+                                           dtype=None)) == \
         {1: load_profile(DEFAULT_PROFILE)}

@@ -80,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "TP degree of --tp-choices (`dynamo-ppd engine profile`; the bundled refit "
                        "profile where one ships)")
     model.add_argument("--config", type=Path, metavar="PATH", help="the same for a model's config.json")
-    parser.add_argument("--gpu", choices=list(GPUS), default="h100", help="GPU of --model/--config")
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="precision of --model/--config")
+    parser.add_argument("--gpu", choices=list(GPUS), help="GPU of --model/--config (default: h100)")
+    parser.add_argument("--dtype", choices=DTYPES, help="precision of --model/--config (default: bf16)")
     parser.add_argument("--tp-choices", type=_tp_choices, metavar="N,N,...",
                         help="TP degrees to search with --model/--config (default: 1,2,4,8, those the "
                         "model fits and splits over)")
@@ -113,12 +113,16 @@ def profiles_for(args: argparse.Namespace) -> dict[int, EngineProfile]:
     """The engine profile of each TP degree searched: --profile's alone, or --model/--config's at
     each of --tp-choices it fits (a bundled refit profile where one ships for it)."""
     if args.model is None and args.config is None:
-        if args.tp_choices:
-            raise ProfileError("--tp-choices needs --model or --config (a --profile has its own TP)")
+        given = [f"--{flag.replace('_', '-')}" for flag in ("tp_choices", "gpu", "dtype")
+                 if getattr(args, flag)]
+        if given:
+            raise ProfileError(f"{' and '.join(given)} need --model or --config (a --profile has its own "
+                               "TP, GPU and precision)")
         profile = load_profile(args.profile or DEFAULT_PROFILE)
         return {profile.tp: profile}
     name, config = model_config(str(args.config) if args.config else args.model)
-    return tp_profiles(config, name, gpu=args.gpu, dtype=args.dtype, choices=args.tp_choices or TP_CHOICES)
+    return tp_profiles(config, name, gpu=args.gpu or "h100", dtype=args.dtype or "bf16",
+                       choices=args.tp_choices or TP_CHOICES)
 
 
 def _workload(args: argparse.Namespace) -> tuple[Manifest, float, str]:
