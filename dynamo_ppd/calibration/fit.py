@@ -146,7 +146,7 @@ def _probe(profile: EngineProfile, *, bytes_side: bool) -> CostModel:
     terms are then the raw bytes or FLOPs."""
     model = CostModel(profile)
     model.overhead_s = 0.0
-    model.allreduce_per_token_s = 0.0  # priced apart (`_Features.fixed`)
+    model.allreduce = None  # priced apart (`_Features.fixed`)
     if bytes_side:
         model.bandwidth, model.gemm_flops, model.attention_flops = 1.0, math.inf, math.inf
         model.weight_stream_s = float(profile.gpu_streamed_weight_bytes)

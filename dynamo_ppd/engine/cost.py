@@ -97,9 +97,7 @@ class CostModel:
         self.lm_head_flops_per_sample = profile.gpu_lm_head_flops_per_sample
         self.kv_bytes_per_token = profile.gpu_kv_bytes_per_token
         self.attention_flops_per_pair = profile.gpu_attention_flops_per_pair
-        # All-reduces: fixed + small * min(tokens, knee) + large * the rest (all 0 at TP1).
-        (self.allreduce_fixed_s, self.allreduce_per_token_s, self.allreduce_knee_tokens,
-         self.allreduce_large_per_token_s) = profile.allreduce_terms()
+        self.allreduce = profile.allreduce_cost()  # None at TP1
 
     def iteration(self, num_decode: int, decode_context_tokens: int,
                   prefill: tuple[PrefillChunk, ...] | list[PrefillChunk] = (),
@@ -118,11 +116,7 @@ class CostModel:
                           + self.lm_head_flops_per_sample * samples) / self.gemm_flops
         weights_s = self.weight_stream_s - (0.0 if samples else self.lm_head_stream_s)
         gemm_s = max(weights_s, gemm_compute_s)
-        allreduce_s = 0.0
-        if self.allreduce_per_token_s:
-            knee = self.allreduce_knee_tokens
-            allreduce_s = (self.allreduce_fixed_s + self.allreduce_per_token_s * min(tokens, knee)
-                           + self.allreduce_large_per_token_s * max(0.0, tokens - knee))
+        allreduce_s = self.allreduce.seconds(tokens) if self.allreduce is not None else 0.0
         shared = shared_prefix_tokens
         shared_prefix_attention_s = 0.0
         if shared:

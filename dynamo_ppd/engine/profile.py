@@ -13,6 +13,7 @@ The `cost` model prices one GPU's shard and those all-reduces."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -185,6 +186,24 @@ class StackCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     decode_local_overhead_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class AllReduceCost:
+    """One iteration's all-reduces over t tokens: ``fixed_s + small * min(t, knee_tokens) +
+    large * max(0, t - knee_tokens)`` (seconds per token below and beyond the knee)."""
+
+    fixed_s: float
+    small_s_per_token: float
+    knee_tokens: float
+    large_s_per_token: float
+
+    def seconds(self, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        knee = self.knee_tokens
+        return (self.fixed_s + self.small_s_per_token * min(tokens, knee)
+                + self.large_s_per_token * max(0.0, tokens - knee))
+
+
 class EngineProfile(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     hardware: Hardware
@@ -257,12 +276,11 @@ class EngineProfile(msgspec.Struct, forbid_unknown_fields=True):
             raise ProfileError(f"profile {self.name!r}: {what} need hardware.peak_fp8_flops")
         return self.hardware.peak_fp8_flops
 
-    def allreduce_terms(self) -> tuple[float, float, float, float]:
-        """The two all-reduces per layer of one iteration over t tokens' bf16 activations
-        (hidden_size each) take ``fixed + small * min(t, knee) + large * max(0, t - knee)``:
-        (fixed s, small s/token, knee tokens, large s/token); all 0 at TP1."""
+    def allreduce_cost(self) -> AllReduceCost | None:
+        """The two all-reduces per layer of one iteration, over each token's bf16 activations
+        (hidden_size each); None at TP1."""
         if self.tp == 1:
-            return 0.0, 0.0, 0.0, 0.0
+            return None
         hw = self.hardware
         if hw.allreduce_bandwidth_bytes_s is None:
             raise ProfileError(f"profile {self.name!r}: tensor_parallel {self.tp} needs "
@@ -271,17 +289,15 @@ class EngineProfile(msgspec.Struct, forbid_unknown_fields=True):
         token_bytes = self.model.hidden_size * 2
         ring = 2 * (self.tp - 1) / self.tp
         large = hw.allreduce_large_bandwidth_bytes_s or hw.allreduce_bandwidth_bytes_s
-        return (per_layer * hw.allreduce_latency_s,
-                per_layer * ring * token_bytes / hw.allreduce_bandwidth_bytes_s,
-                hw.allreduce_knee_bytes / token_bytes,
-                per_layer * ring * token_bytes / large)
+        return AllReduceCost(per_layer * hw.allreduce_latency_s,
+                             per_layer * ring * token_bytes / hw.allreduce_bandwidth_bytes_s,
+                             hw.allreduce_knee_bytes / token_bytes,
+                             per_layer * ring * token_bytes / large)
 
     def allreduce_s(self, tokens: int) -> float:
         """The all-reduces of one iteration over ``tokens`` tokens (0 at TP1)."""
-        fixed, small, knee, large = self.allreduce_terms()
-        if not small or tokens <= 0:
-            return 0.0
-        return fixed + small * min(tokens, knee) + large * max(0.0, tokens - knee)
+        cost = self.allreduce_cost()
+        return cost.seconds(tokens) if cost is not None else 0.0
 
     def check(self) -> None:
         """What the schema's types cannot say: the shard divides, the precisions have their tensor
@@ -291,7 +307,7 @@ class EngineProfile(msgspec.Struct, forbid_unknown_fields=True):
             raise ProfileError(f"profile {self.name!r}: {heads} attention heads do not split over "
                                f"tensor_parallel {tp}; choose a TP that divides {heads}")
         _ = (self.gemm_peak_flops, self.attention_peak_flops)  # raise if FP8 has no peak
-        self.allreduce_terms()
+        self.allreduce_cost()
         self.kv_capacity_blocks()
 
     def kv_capacity_blocks(self) -> int:
