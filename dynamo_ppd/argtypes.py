@@ -42,18 +42,28 @@ def positive_int(text: str) -> int:
     return _positive(text, int, "a whole number")
 
 
-def positive_floats(kind: str = "values"):
-    """An argparse type: a comma-separated list of positive numbers (rates, weights)."""
-    def parse(text: str) -> list[float]:
+def _positive_list(kind: str, number: Callable[[str], Any], example: str):
+    def parse(text: str) -> list:
         try:
-            values = [float(item) for item in text.split(",") if item.strip()]
+            values = [number(item) for item in text.split(",") if item.strip()]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated {kind} like 0.5,1,2") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not comma-separated {kind} like {example}") from None
         if not values or min(values) <= 0:
             raise argparse.ArgumentTypeError(f"{text!r}: {kind} must be positive")
         return values
 
     return parse
+
+
+def positive_floats(kind: str = "values"):
+    """An argparse type: a comma-separated list of positive numbers (rates, weights)."""
+    return _positive_list(kind, float, "0.5,1,2")
+
+
+def positive_ints(kind: str = "values"):
+    """An argparse type: a comma-separated list of positive integers (TP degrees)."""
+    return _positive_list(kind, int, "1,2,4,8")
 
 
 def comma_choices(kind: str, choices, separator: str = ", "):

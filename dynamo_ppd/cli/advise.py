@@ -15,7 +15,7 @@ import msgspec
 
 from ..advisor import advise
 from ..advisor.search import SEARCHES, Runner, planned, search
-from ..argtypes import cli_error, positive_floats, positive_int
+from ..argtypes import cli_error, positive_floats, positive_int, positive_ints
 from ..engine.presets import DTYPES, GPUS, MODELS, TP_CHOICES, describe, model_config, tp_profiles
 from ..engine.profile import DEFAULT_PROFILE, LINK_PRESETS, EngineProfile, ProfileError, load_profile
 from ..experiment.progress import Progress
@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--config", type=Path, metavar="PATH", help="the same for a model's config.json")
     parser.add_argument("--gpu", choices=list(GPUS), help="GPU of --model/--config (default: h100)")
     parser.add_argument("--dtype", choices=DTYPES, help="precision of --model/--config (default: bf16)")
-    parser.add_argument("--tp-choices", type=_tp_choices, metavar="N,N,...",
+    parser.add_argument("--tp-choices", type=positive_ints("TP degrees"), metavar="N,N,...",
                         help="TP degrees to search with --model/--config (default: 1,2,4,8, those the "
                         "model fits and splits over)")
     parser.add_argument("--search", choices=SEARCHES, default="staged",
@@ -99,16 +99,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, metavar="PNG", help="draw TTFT against TPOT of the candidates")
 
 
-def _tp_choices(text: str) -> list[int]:
-    try:
-        values = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not TP degrees like 1,2,4,8") from None
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: TP degrees are integers >= 1")
-    return values
-
-
 def profiles_for(args: argparse.Namespace) -> dict[int, EngineProfile]:
     """The engine profile of each TP degree searched: --profile's alone, or --model/--config's at
     each of --tp-choices it fits (a bundled refit profile where one ships for it)."""
@@ -122,7 +112,7 @@ def profiles_for(args: argparse.Namespace) -> dict[int, EngineProfile]:
         return {profile.tp: profile}
     name, config = model_config(str(args.config) if args.config else args.model)
     return tp_profiles(config, name, gpu=args.gpu or "h100", dtype=args.dtype or "bf16",
-                       choices=args.tp_choices or TP_CHOICES)
+                       choices=sorted(set(args.tp_choices)) if args.tp_choices else TP_CHOICES)
 
 
 def _workload(args: argparse.Namespace) -> tuple[Manifest, float, str]:
