@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 from ..engine.profile import EngineProfile
+from ..sim.cluster import parse_config
+from ..sim.routing import parse_paper_config
 from ..workloads.manifest import Manifest
 from . import advise
 
@@ -66,8 +68,8 @@ def evenly(values: Sequence[int], count: int) -> list[int]:
 
 
 def _split(deployment: str) -> int:
-    """The prefill workers of ``pP dD`` or ``kR_pP_dD``."""
-    return int(deployment.split("_")[-2][:-1] if "_" in deployment else deployment.split("P")[0])
+    """The prefill workers of ``pPdD`` or ``kR_pP_dD`` (the simulator's and the paper's config names)."""
+    return parse_paper_config(deployment).prefill if "_" in deployment else parse_config(deployment)[0]
 
 
 def staged_nominal(runner: Runner, workers: int, tp: int, weights: tuple[float, float],
