@@ -141,6 +141,38 @@ def test_cache_reuses_prefix_dedupes_and_evicts_leaf_first():
     assert cache.used_blocks <= cache.capacity
 
 
+def test_a_cache_without_events_keeps_the_same_blocks_and_counts_evictions():
+    """A simulated worker's cache records no events (no indexer to publish to); what it caches
+    and evicts must not change with that."""
+    from dynamo_ppd.engine.kv_cache import SequenceKv
+
+    caches = [KvCache(capacity_blocks=8, block_size=32),
+              KvCache(capacity_blocks=8, block_size=32, events=False)]
+    for cache in caches:
+        for seed, size in ((1, 128), (2, 192), (3, 160)):
+            seq, tokens = SequenceKv(), fresh(size, seed)
+            cache.admit(seq, cache.prefix_hashes(tokens), size // 32)
+            cache.commit(seq, tokens, size)
+            cache.release(seq)
+    with_events, without = caches
+    assert without.cached_hashes() == with_events.cached_hashes() and without.events == []
+    removed = sum(len(e.block_hashes) for e in with_events.events if isinstance(e, KvRemoved))
+    assert removed > 0 and without.evicted_blocks == with_events.evicted_blocks == removed
+
+
+def test_random_ids_stay_in_range_repeat_per_seed_and_differ_between_seeds():
+    from dynamo_ppd.engine.token_ids import random_ids
+
+    ids = random_ids(random.Random("0:a"), 1000, 2000, 5000)
+    assert len(ids) == 5000 and min(ids) >= 1000 and max(ids) < 2000
+    assert len(set(ids)) > 900  # the range is covered, not a few values
+    assert random_ids(random.Random("0:a"), 1000, 2000, 5000) == ids
+    assert random_ids(random.Random("0:b"), 1000, 2000, 64) != ids[:64]
+    assert random_ids(random.Random("0:a"), 5, 6, 1) == [5] and random_ids(random.Random(), 0, 9, 0) == []
+    with pytest.raises(ValueError, match="empty token id range"):
+        random_ids(random.Random(), 7, 7, 3)
+
+
 def test_cache_refuses_reservations_it_cannot_keep():
     from dynamo_ppd.engine.kv_cache import CacheFull, SequenceKv
 

@@ -59,7 +59,10 @@ class SequenceKv:
 
 
 class KvCache:
-    def __init__(self, capacity_blocks: int, block_size: int, hasher: BlockHasher | None = None):
+    def __init__(self, capacity_blocks: int, block_size: int, hasher: BlockHasher | None = None,
+                 events: bool = True):
+        """``events`` False: no `KvStored`/`KvRemoved` is recorded (a simulated worker with no
+        indexer to publish to; building each block's event was a tenth of a simulation)."""
         self.capacity = capacity_blocks
         self.block_size = block_size
         self.hasher = hasher or dynamo_block_hasher()
@@ -68,6 +71,8 @@ class KvCache:
         self._partial_blocks = 0
         self._reserved = 0
         self.events: list[KvEvent] = []
+        self.record_events = events
+        self.evicted_blocks = 0  # blocks evicted so far (with or without events)
 
     # -- accounting ------------------------------------------------------------------------------
     @property
@@ -133,7 +138,7 @@ class KvCache:
         blocks become cached (deduplicated against identical blocks already there). ``tokens``
         are the sequence's tokens from position ``offset`` on, which must not be after the first
         block not yet cached (a growing sequence passes only its tail, not its whole history)."""
-        bs = self.block_size
+        bs, record = self.block_size, self.record_events
         if offset > len(seq.hashes) * bs:
             raise ValueError(f"tokens from {offset} on miss block {len(seq.hashes)}'s start")
         full = kv_tokens // bs
@@ -158,13 +163,14 @@ class KvCache:
                 self._blocks[h] = _Block(parent=parent, ref_count=1)
                 if parent is not None and parent in self._blocks:
                     self._blocks[parent].children.add(h)
-                if new_hashes and new_hashes[-1] != parent:  # keep each event one chain
-                    self._emit_stored(new_hashes, new_tokens, first_parent)
-                    new_hashes, new_tokens = [], []
-                if not new_hashes:
-                    first_parent = parent
-                new_hashes.append(h)
-                new_tokens.extend(block_tokens)
+                if record:
+                    if new_hashes and new_hashes[-1] != parent:  # keep each event one chain
+                        self._emit_stored(new_hashes, new_tokens, first_parent)
+                        new_hashes, new_tokens = [], []
+                    if not new_hashes:
+                        first_parent = parent
+                    new_hashes.append(h)
+                    new_tokens.extend(block_tokens)
             seq.hashes.append(h)
         if new_hashes:
             self._emit_stored(new_hashes, new_tokens, first_parent)
@@ -237,7 +243,9 @@ class KvCache:
             stack.extend(block.children)
             if block.parent is not None and block.parent in self._blocks:
                 self._blocks[block.parent].children.discard(current)
-        self.events.append(KvRemoved(block_hashes=removed))
+        self.evicted_blocks += len(removed)
+        if self.record_events:
+            self.events.append(KvRemoved(block_hashes=removed))
 
     def _emit_stored(self, hashes: list[int], tokens: list[int], parent: int | None) -> None:
         self.events.append(KvStored(block_hashes=list(hashes), parent_hash=parent, token_ids=list(tokens)))

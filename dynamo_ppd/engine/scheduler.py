@@ -45,6 +45,7 @@ from .cost import (
 )
 from .kv_cache import CacheFull, KvCache, KvEvent, SequenceKv
 from .profile import EngineProfile
+from .token_ids import random_ids
 
 
 class RequestKind(str, enum.Enum):
@@ -177,12 +178,16 @@ class EngineConfig:
     # reads only those (the request keeps every token and its times); not building an object per
     # token is most of what a long simulation saves. A streaming worker needs every token.
     every_token: bool = True
+    # False: the KV cache records no events (`KvCache` ``events``): a simulated worker has no
+    # indexer to publish them to.
+    kv_events: bool = True
 
 
 # Iterations planned as one run at most: a run a router interrupts wastes the rest of its plan,
 # a longer one saves little more (one event per 32 iterations).
 _RUN_MAX = 32
 _DRAW_BATCH = 64  # token ids sampled at once per request
+
 
 
 class Engine:
@@ -198,7 +203,7 @@ class Engine:
         self.cascade_attention = limits.cascade_attention
         self.cascade_iterations = 0  # iterations priced with cascade attention
         self.cache = KvCache(self.config.capacity_blocks or profile.kv_capacity_blocks(),
-                             self.block_size, hasher)
+                             self.block_size, hasher, events=self.config.kv_events)
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []  # admitted, in admission order
         self._by_id: dict[str, EngineRequest] = {}
@@ -504,12 +509,11 @@ class Engine:
         return tokens
 
     def _refill(self, request: EngineRequest) -> None:
-        """Sample the next ids in one call (a draw per token cost ~1.5 us); kept reversed, so
-        the next one is popped from the end."""
+        """Sample the next ids in one call (`token_ids.random_ids`); the next is popped from the
+        end. Always a whole batch, even for a shorter answer: a batch's ids depend on its size,
+        and a decode leg continues the stream its prefill leg (one token) started."""
         assert request.rng is not None
-        low, high = self.config.token_range
-        request.drawn = request.rng.choices(range(low, high), k=min(_DRAW_BATCH, request.max_tokens))
-        request.drawn.reverse()
+        request.drawn = random_ids(request.rng, *self.config.token_range, _DRAW_BATCH)
 
     def _emit(self, request: EngineRequest, now: float, token: int | None = None) -> TokenOutput:
         if token is None:

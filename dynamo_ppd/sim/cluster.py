@@ -37,7 +37,6 @@ from ..engine import (
     EngineProfile,
     EngineRequest,
     Iteration,
-    KvRemoved,
     LoadSnapshot,
     RequestKind,
     TokenOutput,
@@ -86,7 +85,6 @@ class Worker:
     wake_at: float = float("inf")
     inflight: int = 0  # requests routed here and not done with it yet
     inflight_prompt_tokens: int = 0  # their prompts' tokens (the live router's own count, `Routed`)
-    evicted_blocks: int = 0
 
 
 @dataclass(eq=False)
@@ -150,7 +148,7 @@ class Cluster:
                 # A seed per worker, as independent GPUs sample (the engine also continues a decode
                 # leg's stream past the prefill's token, so equal seeds would not repeat it).
                 config = EngineConfig(seed=seed * 1_000_003 + next(index), capacity_blocks=capacity_blocks,
-                                      every_token=False)
+                                      every_token=False, kv_events=False)
                 outgoing = TransferLink(bandwidth, setup_s) if role is Role.PREFILL else None
                 self.workers[worker_id] = Worker(worker_id, role, Engine(profile, config), outgoing)
         self.block_size = profile.engine.block_size
@@ -309,10 +307,7 @@ class Cluster:
 
     def _handle(self, worker: Worker, outputs: list[TokenOutput]) -> None:
         """Apply a worker's outputs: hand finished prefills to their decode worker, report
-        finished requests. Also drains the engine's KV events, which would otherwise pile up."""
-        for event in worker.engine.drain_kv_events():
-            if isinstance(event, KvRemoved):
-                worker.evicted_blocks += len(event.block_hashes)
+        finished requests."""
         for out in outputs:
             request = self._requests.get(out.request_id)
             if not out.finished or request is None:  # None: submitted to the engine directly

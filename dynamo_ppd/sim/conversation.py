@@ -21,12 +21,13 @@ from typing import Annotated
 
 import msgspec
 
+from ..engine.token_ids import random_ids
+
 BOS_TOKEN = 1
 END_OF_TURN_TOKEN = 2
 USER_HEADER = (3, 4, 5, 6)  # start header, role, end header, newline
 TEMPLATE_TOKENS = 1 + len(USER_HEADER)  # added between a turn's output and the next user message
 USER_TOKEN_RANGE = (2000, 8000)
-_USER_IDS = range(*USER_TOKEN_RANGE)
 
 
 class ChatTemplate(msgspec.Struct, frozen=True):
@@ -92,7 +93,7 @@ class ConversationPrompts:
         self._suffix = [7 + i % 3 for i in range(template.suffix)]  # end of turn + assistant header
 
     def _user_tokens(self, count: int) -> list[int]:
-        return self._rng.choices(_USER_IDS, k=count)  # several times faster than randrange per token
+        return random_ids(self._rng, *USER_TOKEN_RANGE, count)
 
     def next_prompt(self, turn: Turn) -> tuple[list[int], int]:
         """The next turn's prompt and its number of new tokens (for turn 1, all of them)."""
