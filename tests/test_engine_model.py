@@ -163,10 +163,11 @@ def test_a_cache_without_events_keeps_the_same_blocks_and_counts_evictions():
 def test_random_ids_stay_in_range_repeat_per_seed_and_differ_between_seeds():
     from dynamo_ppd.engine.token_ids import random_ids
 
-    ids = random_ids(random.Random("0:a"), 1000, 2000, 5000)
-    assert len(ids) == 5000 and min(ids) >= 1000 and max(ids) < 2000
+    ids = random_ids(random.Random("0:a"), 1000, 2000, 10_000)  # more than one slice
+    assert len(ids) == 10_000 and min(ids) >= 1000 and max(ids) < 2000
     assert len(set(ids)) > 900  # the range is covered, not a few values
-    assert random_ids(random.Random("0:a"), 1000, 2000, 5000) == ids
+    assert random_ids(random.Random("0:a"), 1000, 2000, 10_000) == ids
+    assert random_ids(random.Random("0:a"), 1000, 2000, 5000) == ids[:5000]  # prefix-consistent
     assert random_ids(random.Random("0:b"), 1000, 2000, 64) != ids[:64]
     assert random_ids(random.Random("0:a"), 5, 6, 1) == [5] and random_ids(random.Random(), 0, 9, 0) == []
     with pytest.raises(ValueError, match="empty token id range"):

@@ -41,11 +41,16 @@ class CacheFull(Exception):
     pass
 
 
-@dataclass
 class _Block:
-    parent: int | None
-    ref_count: int = 0
-    children: set[int] = field(default_factory=set)
+    """A cached block: its parent's id, the sequences holding it, and its cached children (None
+    until it has one: most blocks are leaves, and one is made per block filled)."""
+
+    __slots__ = ("parent", "ref_count", "children")
+
+    def __init__(self, parent: int | None, ref_count: int = 0):
+        self.parent = parent
+        self.ref_count = ref_count
+        self.children: set[int] | None = None
 
 
 @dataclass
@@ -141,15 +146,20 @@ class KvCache:
         bs, record = self.block_size, self.record_events
         if offset > len(seq.hashes) * bs:
             raise ValueError(f"tokens from {offset} on miss block {len(seq.hashes)}'s start")
-        full = kv_tokens // bs
+        full, first = kv_tokens // bs, len(seq.hashes)
+        if full <= first:
+            self._partial(seq, kv_tokens)
+            return
+        blocks = self._blocks
         new_hashes: list[int] = []
         new_tokens: list[int] = []
         first_parent = seq.hashes[-1] if seq.hashes else None
-        for index in range(len(seq.hashes), full):
+        # The new blocks' token hashes in one call (one per block filled, on a decode step).
+        local_hashes = self.hasher(tokens[first * bs - offset:full * bs - offset], bs)
+        for index, local in zip(range(first, full), local_hashes, strict=True):
             parent = seq.hashes[-1] if seq.hashes else None
-            block_tokens = tokens[index * bs - offset:(index + 1) * bs - offset]
-            h = chain_hash(parent, self.hasher(block_tokens, bs)[0])
-            if h in self._blocks:
+            h = chain_hash(parent, local)
+            if h in blocks:
                 self._ref(h)
                 if seq.has_partial:  # the private block we were filling is not needed any more
                     seq.has_partial = False
@@ -160,9 +170,12 @@ class KvCache:
                     self._partial_blocks -= 1
                 else:
                     self._take_physical(seq)
-                self._blocks[h] = _Block(parent=parent, ref_count=1)
-                if parent is not None and parent in self._blocks:
-                    self._blocks[parent].children.add(h)
+                blocks[h] = _Block(parent, 1)
+                parent_block = blocks.get(parent) if parent is not None else None
+                if parent_block is not None:
+                    if parent_block.children is None:
+                        parent_block.children = set()
+                    parent_block.children.add(h)
                 if record:
                     if new_hashes and new_hashes[-1] != parent:  # keep each event one chain
                         self._emit_stored(new_hashes, new_tokens, first_parent)
@@ -170,11 +183,15 @@ class KvCache:
                     if not new_hashes:
                         first_parent = parent
                     new_hashes.append(h)
-                    new_tokens.extend(block_tokens)
+                    new_tokens.extend(tokens[index * bs - offset:(index + 1) * bs - offset])
             seq.hashes.append(h)
         if new_hashes:
             self._emit_stored(new_hashes, new_tokens, first_parent)
-        if kv_tokens % bs and not seq.has_partial:  # a trailing partial block needs a block too
+        self._partial(seq, kv_tokens)
+
+    def _partial(self, seq: SequenceKv, kv_tokens: int) -> None:
+        """The sequence's KV now ends at ``kv_tokens``: a trailing partial block needs a block."""
+        if kv_tokens % self.block_size and not seq.has_partial:
             self._take_physical(seq)
             seq.has_partial = True
             self._partial_blocks += 1
@@ -240,9 +257,12 @@ class KvCache:
             self._evictable.pop(current, None)
             assert block.ref_count == 0, "evicting a referenced block"
             removed.append(current)
-            stack.extend(block.children)
+            if block.children:
+                stack.extend(block.children)
             if block.parent is not None and block.parent in self._blocks:
-                self._blocks[block.parent].children.discard(current)
+                siblings = self._blocks[block.parent].children
+                if siblings is not None:
+                    siblings.discard(current)
         self.evicted_blocks += len(removed)
         if self.record_events:
             self.events.append(KvRemoved(block_hashes=removed))

@@ -509,11 +509,12 @@ class Engine:
         return tokens
 
     def _refill(self, request: EngineRequest) -> None:
-        """Sample the next ids in one call (`token_ids.random_ids`); the next is popped from the
-        end. Always a whole batch, even for a shorter answer: a batch's ids depend on its size,
-        and a decode leg continues the stream its prefill leg (one token) started."""
+        """Sample the next ids in one call (`token_ids.random_ids`); kept reversed, so the next
+        one is popped from the end."""
         assert request.rng is not None
-        request.drawn = random_ids(request.rng, *self.config.token_range, _DRAW_BATCH)
+        drawn = random_ids(request.rng, *self.config.token_range, min(_DRAW_BATCH, request.max_tokens))
+        drawn.reverse()
+        request.drawn = drawn
 
     def _emit(self, request: EngineRequest, now: float, token: int | None = None) -> TokenOutput:
         if token is None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,8 @@ from ..sim import Conversation, peers
 from ..sim.cluster import Router, parse_config
 from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, Outcome
 from ..sim.routing import fraction_router, local_router, paper_proxy_router, parse_paper_config, pd_router
+from ..sim.run import SimResult
+from ..sim.shared_run import simulate_shared
 from ..workloads.generators import PAPER_QPS, PAPER_WORKLOADS, make_workload, paper_workload
 from ..workloads.manifest import to_sim
 from . import saturation, sweep_report
@@ -180,23 +182,54 @@ def simulation_key(spec: CompareSpec) -> tuple:
 
 
 def run_spec(spec: CompareSpec) -> PolicyPoint:
+    return run_specs([spec])[0]
+
+
+def run_specs(specs: Sequence[CompareSpec]) -> list[PolicyPoint]:
+    """Policies at one point (the same profile, workload, rate and seed; ``config`` and ``link``
+    may differ only where `simulation_key` says the run is the same), in their order. Those on
+    one cluster share runs while they decide alike (`sim.shared_run`): a run's CPU time is
+    counted on its lead, 0 on the others."""
+    first = specs[0]
+    if any((s.profile, s.workload, s.rate, s.seed) != (first.profile, first.workload, first.rate, first.seed)
+           for s in specs):
+        raise ValueError("run_specs takes the policies of one point")
     started = time.process_time()
-    profile = load_profile(spec.profile)
-    cluster_config, router = router_for(profile, spec.config, spec.policy, spec.seed)
-    conversations, timeout_s = _conversations(spec.workload, spec.rate, spec.seed)
-    result = simulate_point(profile, cluster_config, router, conversations, timeout_s, spec.seed,
-                            link_preset(spec.link))
-    outcome: Outcome = result.outcome()
+    profile = load_profile(first.profile)
+    conversations, timeout_s = _conversations(first.workload, first.rate, first.seed)
+    ids = [c.conversation_id for c in conversations]
+    by_cluster: dict[tuple[str, str], list[int]] = {}
+    for i, spec in enumerate(specs):
+        by_cluster.setdefault((cluster_config_for(spec.config, spec.policy), spec.link), []).append(i)
+    out: dict[int, PolicyPoint] = {}
+    for (cluster_config, link), members in by_cluster.items():
+        def run(router: Router, cluster_config: str = cluster_config, link: str = link):
+            return simulate_point(profile, cluster_config, router, conversations, timeout_s, first.seed,
+                                  link_preset(link))
+
+        def factory(spec: CompareSpec) -> Callable[[], Router]:
+            return lambda: router_for(profile, spec.config, spec.policy, spec.seed)[1]
+
+        for shared in simulate_shared(run, [(str(i), factory(specs[i])) for i in members]):
+            outcome: Outcome = shared.result.outcome()
+            for n, name in enumerate(shared.routers):
+                spec = specs[int(name)]
+                cpu_s = time.process_time() - started if n == 0 else 0.0
+                out[int(name)] = _policy_point(spec, shared.result, outcome, ids, cpu_s)
+            started = time.process_time()
+    return [out[i] for i in range(len(specs))]
+
+
+def _policy_point(spec: CompareSpec, result: SimResult, outcome: Outcome, ids: list[str],
+                  cpu_s: float) -> PolicyPoint:
     # The sweeps' percentiles, and the bootstrap replicates where a ratio reads them (PPD against
     # replicas); the grid's points do without (the JSON's size).
-    extra: dict[str, Any] = (sweep_figures(result, outcome, [c.conversation_id for c in conversations],
-                                                      replicates=spec.policy == "replicas"
-                                                      or spec.policy.startswith("ppd@"))
+    extra: dict[str, Any] = (sweep_figures(result, outcome, ids, replicates=spec.policy == "replicas"
+                                           or spec.policy.startswith("ppd@"))
                              if spec.workload in saturation.SWEEPS else {})
     return PolicyPoint(spec.config, spec.link, spec.workload, spec.rate, spec.policy, outcome.success_rate,
                        outcome.turn2_ttft_mean_with_timeouts_s, outcome.turn2.avg_tpot_s,
-                       outcome.turn2.p99_ttft_s, outcome.tokens_per_sec, result.local_share(),
-                       time.process_time() - started, **extra)
+                       outcome.turn2.p99_ttft_s, outcome.tokens_per_sec, result.local_share(), cpu_s, **extra)
 
 
 # -- scoring -------------------------------------------------------------------------------------
@@ -478,21 +511,30 @@ def _key(p: PolicyPoint | CompareSpec) -> PointKey:
 
 
 def _run(pool: ProcessPoolExecutor, specs: Sequence[CompareSpec], previous: dict[PointKey, PolicyPoint],
-         label: str, chunksize: int = 4) -> list[PolicyPoint]:
+         label: str) -> list[PolicyPoint]:
     """The points of ``specs``, in their order: the --reuse report's where it has them, else
-    simulated, one simulation per distinct key (its figures stand for every spec that shares it)."""
+    simulated, one simulation per distinct key (its figures stand for every spec that shares it),
+    the policies of one point in one task (`run_specs`: they share runs while they decide
+    alike). Tasks go in the order of their first spec (a caller that sends heavy points first
+    keeps that order)."""
     done: dict[int, PolicyPoint] = {i: previous[_key(s)] for i, s in enumerate(specs) if _key(s) in previous}
     sharing: dict[tuple, list[int]] = {}
     for i, spec in enumerate(specs):
         if i not in done:
             sharing.setdefault(simulation_key(spec), []).append(i)
-    groups = list(sharing.values())
-    progress = Progress(max(1, len(groups)), label)
-    for group, point in zip(groups, pool.map(run_spec, [specs[g[0]] for g in groups], chunksize=chunksize),
-                            strict=True):
-        for n, i in enumerate(group):
-            done[i] = msgspec.structs.replace(point, config=specs[i].config, link=specs[i].link,
-                                              sim_cpu_s=point.sim_cpu_s if n == 0 else 0.0)
+    tasks: dict[tuple, list[list[int]]] = {}
+    for group in sharing.values():
+        first = specs[group[0]]
+        at = (first.profile, first.config, first.link, first.workload, first.rate, first.seed)
+        tasks.setdefault(at, []).append(group)
+    progress = Progress(max(1, len(tasks)), label)
+    task_list = list(tasks.values())
+    results = pool.map(run_specs, [[specs[g[0]] for g in task] for task in task_list], chunksize=1)
+    for task, points in zip(task_list, results, strict=True):
+        for group, point in zip(task, points, strict=True):
+            for n, i in enumerate(group):
+                done[i] = msgspec.structs.replace(point, config=specs[i].config, link=specs[i].link,
+                                                  sim_cpu_s=point.sim_cpu_s if n == 0 else 0.0)
         progress.step()
     return [done[i] for i in range(len(specs))]
 
@@ -508,7 +550,7 @@ def _sweep(pool: ProcessPoolExecutor, lanes: list[saturation.Lane], profile: str
         order = sorted(range(len(todo)), key=lambda i: -cost.get(todo[i][0], 0.0))
         specs = [CompareSpec(profile, lane.config, lane.link, lane.workload, rate, lane.policy, seed)
                  for lane, rate in (todo[i] for i in order)]
-        points = _run(pool, specs, previous, f"sim compare sweeps, rung {rung + 1}", chunksize=1)
+        points = _run(pool, specs, previous, f"sim compare sweeps, rung {rung + 1}")
         out: list[PolicyPoint] = [points[0]] * len(todo)
         for i, point in zip(order, points, strict=True):
             out[i] = point
