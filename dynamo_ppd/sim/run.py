@@ -15,7 +15,9 @@ turn, as the paper's client does.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -231,6 +233,21 @@ class _Driver:
         return all(c.over for c in self.conversations)
 
 
+@contextlib.contextmanager
+def _fewer_collections():
+    """Collect cyclic garbage less often while a simulation runs. It allocates millions of
+    short-lived objects (requests, iterations, token lists); at CPython's default thresholds the
+    collector ran a full collection, over every token list alive, every second or so: a tenth of
+    `sim compare`'s CPU time (measured on 2026-12-04). Garbage is still collected, in bigger
+    batches, and the thresholds are restored after the run."""
+    before = gc.get_threshold()
+    gc.set_threshold(50_000, 20, 100)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
 def simulate(cluster: Cluster, conversations: list[Conversation], router: Router,
              until_s: float | None = None,
              on_finish: Callable[[RequestRecord], None] | None = None,
@@ -263,11 +280,12 @@ def simulate(cluster: Cluster, conversations: list[Conversation], router: Router
             cluster.call_at(conversation.arrival_s, driver.arrive, conv)
     started = time.perf_counter()
     end = cluster.now
-    while True:
-        stop = end + _CHECK_EVERY_S if until_s is None else min(end + _CHECK_EVERY_S, until_s)
-        end = cluster.run(stop)
-        if end < stop or (until_s is not None and end >= until_s) or driver.settled():
-            break  # no events left, the clock reached until_s, or the outcome is decided
+    with _fewer_collections():
+        while True:
+            stop = end + _CHECK_EVERY_S if until_s is None else min(end + _CHECK_EVERY_S, until_s)
+            end = cluster.run(stop)
+            if end < stop or (until_s is not None and end >= until_s) or driver.settled():
+                break  # no events left, the clock reached until_s, or the outcome is decided
     wall = time.perf_counter() - started
     records = sorted(driver.records, key=lambda r: (r.arrival_s, r.conversation_id, r.turn))
     in_flight = sorted((c.in_flight for c in driver.conversations if c.in_flight is not None),

@@ -36,6 +36,7 @@ rung, since a rung's points decide which lanes climb to the next.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -52,7 +53,7 @@ from ..experiment.progress import Progress
 from ..paper.protocol import simulate_point
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
-from ..policy.table import CONFIGS, Weights, bundled_table, load_table, reweight
+from ..policy.table import CONFIGS, PpdTable, Weights, bundled_table, load_table, reweight
 from ..sim import Conversation, peers
 from ..sim.cluster import Router, parse_config
 from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, Outcome
@@ -135,9 +136,15 @@ def _conversations(workload: str, rate: float, seed: int) -> tuple[list[Conversa
     return to_sim(make_workload(workload, rate, CHAT_WINDOW_S, seed)), CHAT_TIMEOUT_S
 
 
+@functools.cache
+def _ppd_table(config: str, w_tpot: float) -> PpdTable:
+    """The shipped table of ``config`` at weights (1, w_tpot), read once per process (a point's
+    shared runs build a PPD router per weight and run; the table is frozen)."""
+    return reweight(load_table(bundled_table(config)), Weights(1.0, w_tpot))
+
+
 def _ppd(profile: EngineProfile, config: str, w_tpot: float) -> PolicyRouter:
-    weights = Weights(1.0, w_tpot)
-    table = reweight(load_table(bundled_table(config)), weights)
+    table = _ppd_table(config, w_tpot)
     policy = Policy(PolicyConfig(Mode.PPD, w_ttft=1.0, w_tpot=w_tpot), ProfilePredictor(profile), table)
     return PolicyRouter(policy)
 
