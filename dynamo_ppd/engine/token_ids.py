@@ -1,15 +1,17 @@
-"""Random token ids in bulk: the engine's sampled outputs and the simulated users' messages.
+"""The engine's sampled token ids, in bulk (the simulated users' messages come from numpy:
+`sim.conversation`).
 
-The ids only have to differ between requests (so that their KV blocks do) and round-trip the
-model; their values never change a timing. So they are drawn in C: 16 random bits per id
-(`Random.randbytes`), looked up in a table over the id range (`itemgetter`), nearly uniform for
-ranges of a few thousand ids. `Random.choices` drew a float per id in a Python loop: a tenth of
-a long simulation. Each id has its own 16 bits, so two messages share a 16-token block with
-probability 2**-256, as unrelated messages should.
+An id only names a token: it must round-trip the model, and a request's ids must continue its
+own stream; no timing reads its value. So a request's ids are slices of one table of random ids
+per id range, built once per process: each slice of up to `_CHUNK` ids starts at an offset drawn
+from the request's own generator (20 random bits) and is copied out in C. Drawing an id at a
+time (`Random.choices`: a float per id in a Python loop) was a tenth of a long simulation.
 
-Ids come in chunks of `_CHUNK` (one `randbytes` call each), the last one cut: so a stream is
-prefix-consistent, the first ``m`` of ``n`` ids drawn from a generator are the ``m`` ids drawn
-from it in that state (a decode leg continues the stream its one-token prefill leg started).
+Two requests' answers coincide when their offsets do, once in a million. That changes no
+cache hit: a block's id chains everything before it, so answers to different prompts never share
+a block, and the simulated users never send the same prompt twice (their messages are drawn per
+id). A stream is prefix-consistent: the first ``m`` of ``n`` ids drawn from a generator are the
+``m`` ids drawn from it in that state (a decode leg continues its one-token prefill leg's stream).
 """
 
 from __future__ import annotations
@@ -17,24 +19,27 @@ from __future__ import annotations
 import functools
 import random
 from array import array
-from operator import itemgetter
 
-_CHUNK = 64  # ids per randbytes call
+_OFFSET_BITS = 20
+_CHUNK = 4096  # ids per slice (per drawn offset)
 
 
 @functools.cache
-def _table(low: int, high: int) -> list[int]:
-    """An id in [low, high) for each 16-bit draw: the range repeated."""
+def _table(low: int, high: int) -> array:
+    """``2**20 + _CHUNK`` random ids in [low, high), the same in every process."""
     if high <= low:
         raise ValueError(f"empty token id range [{low}, {high})")
-    return [low + v % (high - low) for v in range(1 << 16)]
+    size = (1 << _OFFSET_BITS) + _CHUNK
+    bits = array("I", random.Random(f"token-ids:{low}:{high}").randbytes(4 * size))
+    return array("I", [low + v % (high - low) for v in bits])
 
 
 def random_ids(rng: random.Random, low: int, high: int, count: int) -> list[int]:
     """``count`` ids in [low, high) from ``rng`` (deterministic for its state)."""
     table = _table(low, high)
     ids: list[int] = []
-    for _ in range(-(-count // _CHUNK)):
-        ids.extend(itemgetter(*array("H", rng.randbytes(2 * _CHUNK)))(table))
-    del ids[count:]
+    while count > 0:
+        start, take = rng.getrandbits(_OFFSET_BITS), min(count, _CHUNK)
+        ids.extend(table[start:start + take])
+        count -= take
     return ids

@@ -16,12 +16,12 @@ template ids (< 1000).
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Annotated
 
 import msgspec
-
-from ..engine.token_ids import random_ids
+import numpy as np
 
 BOS_TOKEN = 1
 END_OF_TURN_TOKEN = 2
@@ -85,7 +85,12 @@ class ConversationPrompts:
 
     def __init__(self, conversation: Conversation):
         self.conversation = conversation
-        self._rng = random.Random(f"{conversation.seed}:{conversation.conversation_id}")
+        # A message's ids are drawn at once, up to thousands of them: numpy's generator does that
+        # in C, ~4x faster than `token_ids.random_ids` (whose 64-id chunks suit the engine's
+        # sampling, a few ids per call from a generator per request). Seeded from the id, so a
+        # workload's prompts are the same in every process.
+        key = hashlib.blake2b(f"{conversation.seed}:{conversation.conversation_id}".encode(), digest_size=16)
+        self._rng = np.random.default_rng(int.from_bytes(key.digest(), "little"))
         self._history: list[int] = []  # previous prompt + previous output
         template = conversation.template or SIM_TEMPLATE
         self._first = _template_ids(template.first_prefix, BOS_TOKEN)
@@ -93,7 +98,8 @@ class ConversationPrompts:
         self._suffix = [7 + i % 3 for i in range(template.suffix)]  # end of turn + assistant header
 
     def _user_tokens(self, count: int) -> list[int]:
-        return random_ids(self._rng, *USER_TOKEN_RANGE, count)
+        ids: list[int] = self._rng.integers(*USER_TOKEN_RANGE, size=count).tolist()
+        return ids
 
     def next_prompt(self, turn: Turn) -> tuple[list[int], int]:
         """The next turn's prompt and its number of new tokens (for turn 1, all of them)."""
