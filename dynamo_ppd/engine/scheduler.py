@@ -189,7 +189,6 @@ _RUN_MAX = 32
 _DRAW_BATCH = 64  # token ids sampled at once per request
 
 
-
 class Engine:
     def __init__(self, profile: EngineProfile, config: EngineConfig | None = None,
                  hasher: BlockHasher | None = None):
