@@ -67,7 +67,7 @@ class KvCache:
     def __init__(self, capacity_blocks: int, block_size: int, hasher: BlockHasher | None = None,
                  events: bool = True):
         """``events`` False: no `KvStored`/`KvRemoved` is recorded (a simulated worker with no
-        indexer to publish to; building each block's event was a tenth of a simulation)."""
+        indexer to publish to; building each block's event cost a simulation a few percent)."""
         self.capacity = capacity_blocks
         self.block_size = block_size
         self.hasher = hasher or dynamo_block_hasher()

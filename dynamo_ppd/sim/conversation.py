@@ -85,10 +85,11 @@ class ConversationPrompts:
 
     def __init__(self, conversation: Conversation):
         self.conversation = conversation
-        # A message's ids are drawn at once, up to thousands of them: numpy's generator does that
-        # in C, ~4x faster than `token_ids.random_ids` (whose 64-id chunks suit the engine's
-        # sampling, a few ids per call from a generator per request). Seeded from the id, so a
-        # workload's prompts are the same in every process.
+        # A message's ids are drawn at once, up to thousands of them, each on its own (so two
+        # conversations never start alike and share a cached prefix they should not): numpy's
+        # generator does that in C, ~4x faster than 64-id chunks of `Random.randbytes`. Seeded
+        # from the id, so a workload's prompts are the same in every process. (The engine's
+        # answers are slices of a shared table, `engine.token_ids`: blocks chain their prompt.)
         key = hashlib.blake2b(f"{conversation.seed}:{conversation.conversation_id}".encode(), digest_size=16)
         self._rng = np.random.default_rng(int.from_bytes(key.digest(), "little"))
         self._history: list[int] = []  # previous prompt + previous output
