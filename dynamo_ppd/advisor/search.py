@@ -22,7 +22,7 @@ attainment when SLOs are given, then the weighted cost.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 from ..engine.profile import EngineProfile
@@ -111,13 +111,17 @@ def staged_nominal(runner: Runner, workers: int, tp: int, weights: tuple[float, 
                 for policy in advise.policies_for(f"{p}P{workers - p}D") if policy != scan_policy])
 
 
+def tp_degrees(gpus: int, tps: Iterable[int]) -> list[int]:
+    """The TP degrees of ``tps`` (sorted) that divide ``gpus`` into 2 workers or more."""
+    return [tp for tp in sorted(tps) if gpus % tp == 0 and gpus // tp >= 2]
+
+
 def search(runner: Runner, gpus: int, rate_factors: Sequence[float], weights: tuple[float, float],
            slo: advise.Slo, how: Search = "staged") -> list[advise.Measured]:
     """Every candidate simulated, by ``how``, at every TP degree of ``runner.profiles`` (a degree
     that does not divide ``gpus`` into 2 workers or more is skipped); the nominal rate first, then
     the shortlist at the other rate factors."""
-    degrees = [tp for tp in sorted(runner.profiles) if gpus % tp == 0 and gpus // tp >= 2]
-    for tp in degrees:
+    for tp in tp_degrees(gpus, runner.profiles):
         if how == "exhaustive":
             runner.run(advise.plan(gpus // tp, [1.0], tp=tp))
         else:

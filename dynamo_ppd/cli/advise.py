@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from ..advisor import advise
-from ..advisor.search import SEARCHES, Runner, planned, search
+from ..advisor.search import SEARCHES, Runner, planned, search, tp_degrees
 from ..argtypes import cli_error, positive_floats, positive_int, positive_ints
 from ..engine.presets import DTYPES, GPUS, MODELS, TP_CHOICES, describe, model_config, tp_profiles
 from ..engine.profile import DEFAULT_PROFILE, LINK_PRESETS, EngineProfile, ProfileError, load_profile
@@ -190,7 +190,7 @@ def main(args: argparse.Namespace) -> int:
         return cli_error(exc)
     if not rate > 0:
         return cli_error(f"--rate {rate} must be > 0 conversations per second")
-    degrees = [tp for tp in sorted(profiles) if args.gpus % tp == 0 and args.gpus // tp >= 2]
+    degrees = tp_degrees(args.gpus, profiles)
     if not degrees:
         return cli_error(f"{args.gpus} GPUs make no 2 workers at TP {', '.join(map(str, sorted(profiles)))}: "
                          "advise needs at least 2 workers (a P:D split has a prefill and a decode worker)")

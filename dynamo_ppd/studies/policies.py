@@ -58,9 +58,8 @@ from ..policy.simulate import PolicyRouter
 from ..policy.table import CONFIGS, PpdTable, Weights, bundled_table, load_table, reweight
 from ..sim import Conversation, peers
 from ..sim.cluster import Router, parse_config
-from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S, Outcome
+from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S
 from ..sim.routing import fraction_router, local_router, paper_proxy_router, parse_paper_config, pd_router
-from ..sim.run import SimResult
 from ..sim.shared_run import simulate_shared
 from ..workloads.generators import PAPER_QPS, PAPER_WORKLOADS, make_workload, paper_workload
 from ..workloads.manifest import to_sim
@@ -206,35 +205,36 @@ def run_specs(specs: Sequence[CompareSpec]) -> list[PolicyPoint]:
     by_cluster: dict[tuple[str, str], list[int]] = {}
     for i, spec in enumerate(specs):
         by_cluster.setdefault((cluster_config_for(spec.config, spec.policy), spec.link), []).append(i)
+    def factory(spec: CompareSpec) -> Callable[[], Router]:
+        return lambda: router_for(profile, spec.config, spec.policy, spec.seed)[1]
+
     out: dict[int, PolicyPoint] = {}
     for (cluster_config, link), members in by_cluster.items():
         def run(router: Router, cluster_config: str = cluster_config, link: str = link):
             return simulate_point(profile, cluster_config, router, conversations, timeout_s, first.seed,
                                   link_preset(link))
 
-        def factory(spec: CompareSpec) -> Callable[[], Router]:
-            return lambda: router_for(profile, spec.config, spec.policy, spec.seed)[1]
-
         for shared in simulate_shared(run, [(str(i), factory(specs[i])) for i in members]):
-            outcome: Outcome = shared.result.outcome()
+            result, outcome = shared.result, shared.result.outcome()
+            # The sweeps' percentiles, and the bootstrap replicates where a ratio reads them (PPD
+            # against replicas); the grid's points do without (the JSON's size). Computed once
+            # per run and kind, whichever of its policies read them.
+            extras: dict[bool, dict[str, Any]] = {}
             for n, name in enumerate(shared.routers):
                 spec = specs[int(name)]
-                cpu_s = time.process_time() - started if n == 0 else 0.0
-                out[int(name)] = _policy_point(spec, shared.result, outcome, ids, cpu_s)
+                extra: dict[str, Any] = {}
+                if spec.workload in saturation.SWEEPS:
+                    replicates = spec.policy == "replicas" or spec.policy.startswith("ppd@")
+                    if replicates not in extras:
+                        extras[replicates] = sweep_figures(result, outcome, ids, replicates=replicates)
+                    extra = extras[replicates]
+                out[int(name)] = PolicyPoint(
+                    spec.config, spec.link, spec.workload, spec.rate, spec.policy, outcome.success_rate,
+                    outcome.turn2_ttft_mean_with_timeouts_s, outcome.turn2.avg_tpot_s,
+                    outcome.turn2.p99_ttft_s, outcome.tokens_per_sec, result.local_share(),
+                    time.process_time() - started if n == 0 else 0.0, **extra)
             started = time.process_time()
     return [out[i] for i in range(len(specs))]
-
-
-def _policy_point(spec: CompareSpec, result: SimResult, outcome: Outcome, ids: list[str],
-                  cpu_s: float) -> PolicyPoint:
-    # The sweeps' percentiles, and the bootstrap replicates where a ratio reads them (PPD against
-    # replicas); the grid's points do without (the JSON's size).
-    extra: dict[str, Any] = (sweep_figures(result, outcome, ids, replicates=spec.policy == "replicas"
-                                           or spec.policy.startswith("ppd@"))
-                             if spec.workload in saturation.SWEEPS else {})
-    return PolicyPoint(spec.config, spec.link, spec.workload, spec.rate, spec.policy, outcome.success_rate,
-                       outcome.turn2_ttft_mean_with_timeouts_s, outcome.turn2.avg_tpot_s,
-                       outcome.turn2.p99_ttft_s, outcome.tokens_per_sec, result.local_share(), cpu_s, **extra)
 
 
 # -- scoring -------------------------------------------------------------------------------------
