@@ -91,6 +91,18 @@ class Decision:
     cell: tuple[str, str, float] | None = None  # the table cell used, if any
     table_score: float | None = None  # the cell's measured score (before the online correction)
     raw: Prediction | None = None  # the chosen route's prediction before calibration
+    bucket: str = ""  # the calibration bucket the request fell in (context, append, load)
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """What one finished request taught the policy: its route, its calibration bucket, and how far
+    the (calibrated) prediction was from the outcome, as observed/predicted - 1."""
+
+    route: Route
+    bucket: str
+    ttft_error: float
+    tpot_error: float | None
 
 
 def moves_to_best(session: WorkerLoad, best: WorkerLoad) -> bool:
@@ -289,11 +301,19 @@ class Policy:
         workload = min(self._workload_points, key=lambda p: (p[1] - x) ** 2 + (p[2] - y) ** 2)[0]
         return grid.context_class(f.prompt_tokens).name, workload, grid.qps_level(f.qps)
 
-    def observe(self, decision: Decision, ttft_s: float, tpot_s: float | None) -> None:
-        """Learn from a finished request routed by ``decision`` (its uncalibrated prediction)."""
-        if not self.online_correction or self.predictor is None or decision.raw is None:
-            return
-        self.calibration.observe(decision.route, decision.raw, ttft_s, tpot_s)
+    def observe(self, decision: Decision, ttft_s: float, tpot_s: float | None) -> Observed | None:
+        """Learn from a finished request routed by ``decision`` (its uncalibrated prediction);
+        returns the prediction's error, for metrics (None where nothing was predicted)."""
+        if self.predictor is None or decision.raw is None:
+            return None
+        chosen = decision.local if decision.route is Route.DECODE_LOCAL else decision.via_prefill
+        observed = None
+        if chosen is not None and chosen.ttft_s > 0:
+            observed = Observed(decision.route, decision.bucket, ttft_s / chosen.ttft_s - 1,
+                                (tpot_s / chosen.tpot_s - 1) if tpot_s and chosen.tpot_s > 0 else None)
+        if self.online_correction:
+            self.calibration.observe(decision.route, decision.raw, ttft_s, tpot_s)
+        return observed
 
     def cell_of(self, f: RequestFeatures) -> tuple[tuple[str, str, float], RequestFeatures]:
         """The table cell of a request, and the features the cell was measured under."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .. import model as model_dir
 from ..engine.profile import load_profile
-from ..policy.decision import Decision, Mode, Policy, PolicyConfig, ProfilePredictor
+from ..policy.decision import Decision, Mode, Observed, Policy, PolicyConfig, ProfilePredictor
 from ..policy.qps import SlidingWindowRate
 from ..policy.table import load_table
 from .args import RoutingConfig
@@ -23,8 +23,9 @@ class ModelClockPolicy(Policy):
 
     speedup = 1.0
 
-    def observe(self, decision: Decision, ttft_s: float, tpot_s: float | None) -> None:
-        super().observe(decision, ttft_s * self.speedup, None if tpot_s is None else tpot_s * self.speedup)
+    def observe(self, decision: Decision, ttft_s: float, tpot_s: float | None) -> Observed | None:
+        tpot = None if tpot_s is None else tpot_s * self.speedup
+        return super().observe(decision, ttft_s * self.speedup, tpot)
 
 
 class ModelClockRate(SlidingWindowRate):
