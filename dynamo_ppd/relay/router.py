@@ -123,11 +123,11 @@ class PpdRouter(Routing):
             self.metrics.relayed_chunks.inc(chunks)
         if _cancelled(context):
             return  # the client went away: its next turn will not carry this partial answer
-        if (plan.turn > 1 and first_at is not None and last_at is not None
-                and not plan.decision.reason.startswith("rehome")):  # a failure's timing says nothing
+        if first_at is not None and last_at is not None:  # online calibration, metrics (follow-ups only)
             tpot = (last_at - first_at) / (len(output) - 1) if len(output) > 1 else None
-            self.policy.observe(plan.decision, first_at - started, tpot)  # online calibration
+            self.observe_outcome(plan, first_at - started, tpot)
         await self.record_turn(plan, tokens, output)
+
     async def _run(self, plan: Turn, request: dict, context) -> AsyncIterator[dict]:
         """Stream the answer; when a worker fails, re-home the turn, and when it fails mid-answer,
         continue the answer elsewhere (the prompt plus the tokens already sent), so the client

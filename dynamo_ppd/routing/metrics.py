@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+if TYPE_CHECKING:
+    from ..policy.decision import Observed
+
 log = logging.getLogger("dynamo_ppd.routing.decisions")
+
+# A prediction's error as observed/predicted (`Observed`'s error + 1): 1 is exact, 0.5 twice as fast
+# as predicted, 2 twice as slow. As a ratio, always positive, the histogram keeps its _sum (the
+# Prometheus client drops it once a bucket is negative): the mean error is sum/count - 1.
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
+# Calibration buckets are a small fixed set of names ("ctx2-app1-load0"); past this many distinct
+# ones, the rest are counted as "other", so a policy that names too many cannot blow up the series.
+MAX_BUCKET_LABELS = 64
 
 
 class RoutingMetrics:
@@ -72,8 +84,22 @@ class RoutingMetrics:
             registry=self.registry)
         self.errors = Counter("ppd_request_errors", "Requests that ended in an error", ["kind"],
                               registry=self.registry)
+        # What the policy learned from outcomes (`Routing.observe_outcome`): follow-ups whose TTFT
+        # and TPOT it observed, and how far its prediction was off, by route and calibration bucket.
+        self.outcomes = Counter("ppd_outcomes_observed",
+                                "Follow-up outcomes (TTFT, TPOT) the policy learned from", ["route"],
+                                registry=self.registry)
+        self.ttft_ratio = Histogram(
+            "ppd_ttft_prediction_ratio",
+            "Observed over predicted TTFT of the follow-ups observed (1: exact; the error is this - 1)",
+            ["route", "bucket"], buckets=RATIO_BUCKETS, registry=self.registry)
+        self.tpot_ratio = Histogram(
+            "ppd_tpot_prediction_ratio",
+            "Observed over predicted TPOT of the follow-ups observed (1: exact; the error is this - 1)",
+            ["route", "bucket"], buckets=RATIO_BUCKETS, registry=self.registry)
 
         self._decision_children: dict[tuple[str, str, str], object] = {}
+        self._buckets: set[str] = set()
 
     def count_decision(self, route: str, turn: str, reason: str) -> None:
         """`decisions.labels(...).inc()`, with the labelled child looked up once (hot path)."""
@@ -82,6 +108,26 @@ class RoutingMetrics:
         if child is None:
             child = self._decision_children[key] = self.decisions.labels(route, turn, reason)
         child.inc()  # type: ignore[attr-defined]
+
+    def count_outcome(self, route: str, observed: Observed | None) -> None:
+        """One outcome the policy learned from (a follow-up's TTFT and TPOT), and, when it had a
+        prediction for it (``observed``), that prediction's errors by route and bucket."""
+        self.outcomes.labels(route).inc()
+        if observed is None:
+            return
+        bucket = self.bucket_label(observed.bucket)
+        self.ttft_ratio.labels(observed.route.value, bucket).observe(observed.ttft_error + 1)
+        if observed.tpot_error is not None:
+            self.tpot_ratio.labels(observed.route.value, bucket).observe(observed.tpot_error + 1)
+
+    def bucket_label(self, bucket: str) -> str:
+        """A calibration bucket as a label: "all" for none, "other" past `MAX_BUCKET_LABELS`."""
+        label = bucket or "all"
+        if label not in self._buckets:
+            if len(self._buckets) >= MAX_BUCKET_LABELS:
+                return "other"
+            self._buckets.add(label)
+        return label
 
     def set_rates(self, local: float, shared: float) -> None:
         self.request_rate_local.set(local)

@@ -29,7 +29,7 @@ import msgspec
 from ..engine.blocks import dynamo_block_hasher, prefix_chain
 from ..engine.profile import load_profile
 from ..policy import placement
-from ..policy.decision import Decision, Policy, Route, WorkerLoad
+from ..policy.decision import Decision, Observed, Policy, Route, WorkerLoad
 from ..policy.qps import SlidingWindowRate
 from ..policy.table import bundled_table, load_table
 from . import planner
@@ -127,6 +127,7 @@ class Routing:
         # session keeps its prefill worker while that one is live and reachable
         # (`_keep_bound_prefill`).
         self.prefill_bound_downstream = False
+        self.last_observed: Observed | None = None  # the latest outcome's prediction error (debug line)
 
     async def start(self) -> None:
         import nats
@@ -246,8 +247,33 @@ class Routing:
                        cached_on_prefill=decided.features.cached_on_prefill, decode=plan.decode,
                        prefill=plan.prefill,
                        route=decision.route.value, reason=decision.reason, score=decision.score,
-                       rehome=decided.rehome, local=decision.local, via_prefill=decision.via_prefill)
+                       rehome=decided.rehome, local=decision.local, via_prefill=decision.via_prefill,
+                       **_last_error(self.last_observed))
         return plan
+
+    # -- what a turn's outcome teaches ------------------------------------------------------------
+    @staticmethod
+    def learns_from(plan: Turn) -> bool:
+        """Whether the policy learns from this turn's TTFT and TPOT: a follow-up the policy routed
+        with a prediction (turn 1 always goes through a prefill worker; a re-homed turn's timing
+        includes a worker's failure). The picker observes an answer only when this holds."""
+        decision = plan.decision
+        return plan.turn > 1 and decision.raw is not None and not decision.reason.startswith("rehome")
+
+    def observe_outcome(self, plan: Turn, ttft_s: float, tpot_s: float | None) -> Observed | None:
+        """A turn's answer is over: its TTFT and TPOT (None: one token) on the wall clock. The
+        policy learns from them (`Policy.observe`: online correction; a dilated benchmark's policy
+        puts them on the model's clock first), and the metrics count the outcome and the
+        prediction's error by route and calibration bucket. Both shells call this: the relay
+        router for every follow-up it relays, the endpoint picker for those it samples. Returns
+        what the policy reported (None for a turn it does not learn from, `learns_from`)."""
+        if not self.learns_from(plan):
+            return None
+        observed = self.policy.observe(plan.decision, ttft_s, tpot_s)
+        self.metrics.count_outcome(plan.decision.route.value, observed)
+        if observed is not None:
+            self.last_observed = observed
+        return observed
 
     @staticmethod
     def _keep_bound_prefill(plan: Turn, record: SessionRecord | None, live_prefill: Sequence[int]) -> None:
@@ -404,6 +430,15 @@ class Routing:
         return SessionRecord(session_id=plan.session_id, decode_worker=plan.decode,
                              prefill_worker=prefill, turn=plan.turn, context_tokens=len(history),
                              history_hash=history_hash, history_digest=digest, last_access=time.time())
+
+
+def _last_error(observed: Observed | None) -> dict[str, Any]:
+    """The latest prediction error, as fields of the decision's debug line (none before one)."""
+    if observed is None:
+        return {}
+    tpot = None if observed.tpot_error is None else round(observed.tpot_error, 3)
+    return {"last_error": {"route": observed.route.value, "bucket": observed.bucket or "all",
+                           "ttft": round(observed.ttft_error, 3), "tpot": tpot}}
 
 
 @dataclass
