@@ -44,6 +44,9 @@ class FakePicker:
     def answered(self, pick, status) -> None:
         self.statuses.append(status)
 
+    def watch(self, pick, status, content_type, picked_at) -> None:
+        return None  # never watches an answer (tests/test_picker_outcomes.py does)
+
     async def pick(self, headers, body, path, subset=None, clock=None):
         self.seen.append((dict(headers), body, path))
         self.subsets.append(subset)
@@ -188,12 +191,21 @@ def test_the_gateways_endpoint_subset_reaches_the_picker():
 
 def test_response_messages_pass_through_unchanged():
     route = route_headers(Route.DECODE_LOCAL, None)
-    messages = [*_messages(BODY), pb.ProcessingRequest(response_headers=pb.HttpHeaders()),
+    response = [pb.ProcessingRequest(response_headers=pb.HttpHeaders()),
                 pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: x\n\n", end_of_stream=True))]
-    replies, _ = _process(FakePicker(Pick("h:1", route.set, route.remove, None)), messages)
+    # GAIE's gateways stream the response body in full duplex: each chunk is streamed back.
+    messages = _messages(BODY)
+    messages[0].protocol_config.response_body_mode = Mode.FULL_DUPLEX_STREAMED
+    replies, _ = _process(FakePicker(Pick("h:1", route.set, route.remove, None)), [*messages, *response])
     assert [r.WhichOneof("response") for r in replies][2:] == ["response_headers", "response_body"]
     streamed = replies[3].response_body.response.body_mutation.streamed_response
     assert streamed.body == b"data: x\n\n" and streamed.end_of_stream
+    # Any other response body mode (STREAMED, after a mode override): CONTINUE, no mutation.
+    picker = FakePicker(Pick("h:1", route.set, route.remove, None))
+    replies, _ = _process(picker, [*_messages(BODY), *response])
+    assert [r.WhichOneof("response") for r in replies][2:] == ["response_headers", "response_body"]
+    common = replies[3].response_body.response
+    assert not common.HasField("body_mutation") and common.status == pb.CommonResponse.CONTINUE
 
 
 def _response_headers(status: bytes) -> pb.ProcessingRequest:

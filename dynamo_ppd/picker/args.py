@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ..routing.args import RoutingConfig, build_parser, config_from
 from .frontends import split_endpoint
+from .outcomes import DEFAULT_OBSERVE_SHARE
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,18 @@ class PickerConfig:
     cert_path: str | None = None  # tls.crt/tls.key; None: a self-signed certificate
     timings: bool = False  # each route carries the picker's own time per stage (dynamic metadata)
     send_token_ids: bool = True  # the body carries the picker's token ids (nvext.token_data)
+    observe_share: float = DEFAULT_OBSERVE_SHARE  # follow-ups' answers watched for TTFT and TPOT
+
+
+def share(text: str) -> float:
+    """A probability: a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number from 0 to 1") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside 0-1 (0: watch none, 1: every answer)")
+    return value
 
 
 def _endpoint_list(text: str) -> tuple[str, ...]:
@@ -73,6 +86,14 @@ def build_picker_parser() -> argparse.ArgumentParser:
                    help="send the prompt's token ids to the frontend in the body's "
                    "nvext.token_data, so Dynamo's frontend does not tokenize the prompt a second "
                    "time (as Dynamo's own EPP does); --no-token-ids forwards the client's body as is")
+    g.add_argument("--observe-share", type=share, default=DEFAULT_OBSERVE_SHARE,
+                   help="share of the follow-ups' streamed answers the picker watches for their TTFT "
+                   "and TPOT, which the policy learns from (online correction, "
+                   "ppd_ttft_prediction_ratio, ppd_outcomes_observed_total), as the relay router "
+                   "does for every answer. A watched answer's body streams through the picker (its "
+                   "reply to the response headers asks the gateway for it with mode_override, "
+                   "honoured where the gateway sets allow_mode_override): a gRPC message each way "
+                   "per chunk. 0: watch none; 1: every one")
     g.add_argument("--timings", action="store_true",
                    help="add the picker's own time for each request, per stage, to the route's "
                    "dynamic metadata (namespace ppd.picker, microseconds): for the request-path "
@@ -96,4 +117,4 @@ def parse_args(argv: list[str] | None = None) -> tuple[RoutingConfig, PickerConf
         parser.error("--cert-path is for --secure-serving; add it, or drop --cert-path")
     return config_from(parser, a), PickerConfig(a.grpc_host, a.grpc_port, a.health_port, a.frontend,
                                                 a.frontend_refresh, a.secure_serving, a.cert_path,
-                                                a.timings, a.send_token_ids)
+                                                a.timings, a.send_token_ids, a.observe_share)

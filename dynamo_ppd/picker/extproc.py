@@ -12,9 +12,17 @@ naming the frontend, ``Content-Length`` when the body changed, and the same endp
 GAIE's EPP sends it; a body mutation, or none, in buffered mode). The frontend named is one of
 the endpoints the gateway allows when it says which (the subset hint in the request's metadata).
 A request that must not be
-forwarded gets an ImmediateResponse (400, 503) with an OpenAI-style error body. Response headers
-and bodies, if the gateway sends them, pass unchanged. A request with no body (a GET) goes to a
-frontend unrouted.
+forwarded gets an ImmediateResponse (400, 503) with an OpenAI-style error body. A request with no
+body (a GET) goes to a frontend unrouted.
+
+Response headers and bodies, if the gateway sends them, pass unchanged. The response headers of a
+routed request tell the picker its status (`Picker.answered`) and whether to watch the answer for
+its TTFT and TPOT (`Picker.watch`, `outcomes`); unless sent in observability mode they are
+answered with a ``mode_override`` whose ``response_body_mode`` is STREAMED for a watched answer
+and NONE for any other, so a gateway that allows overrides (``allow_mode_override``) sends only
+the watched answers' bodies. Each response body chunk is answered as the gateway's response body
+mode requires (`ProtocolConfiguration.response_body_mode`): a streamed body response echoing it in
+FULL_DUPLEX_STREAMED, an empty CONTINUE otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from .metrics import PickerMetrics
+from .outcomes import AnswerWatch
 from .picker import Pick, Picker, Refusal
 from .stages import StageClock
 
@@ -42,7 +51,8 @@ DESTINATION_NAMESPACE = "envoy.lb"
 # ext_proc request's metadata_context; kgateway sends them, Istio does not.
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+Mode = processing_mode_pb2.ProcessingMode
+FULL_DUPLEX = Mode.FULL_DUPLEX_STREAMED
 TIMING_NAMESPACE = "ppd.picker"  # the picker's own time per request (`timing_metadata`)
 
 
@@ -113,6 +123,23 @@ def response_status(headers: pb.HttpHeaders) -> int | None:
     return None
 
 
+def content_type(headers: pb.HttpHeaders) -> str:
+    """The ``content-type`` of a response-headers message ("" when absent)."""
+    for header in headers.headers.headers:
+        if header.key == "content-type":
+            return _header_value(header)
+    return ""
+
+
+# The answers to response headers: the answer's body streamed to the picker (a watched answer)
+# or not sent at all (`Picker.watch`); made once, they are the same for every request.
+WATCH_BODY = pb.ProcessingResponse(response_headers=pb.HeadersResponse(),
+                                   mode_override=Mode(response_body_mode=Mode.STREAMED))
+SKIP_BODY = pb.ProcessingResponse(response_headers=pb.HeadersResponse(),
+                                  mode_override=Mode(response_body_mode=Mode.NONE))
+BODY_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse()))
+
+
 def timing_metadata(reply: pb.ProcessingResponse, clock: StageClock) -> None:
     """Add the picker's own time for this request to the reply's dynamic metadata, namespace
     `TIMING_NAMESPACE`: microseconds from the first ext_proc message in to the route out
@@ -135,15 +162,19 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         headers: dict[str, str] = {}
         subset: list[str] | None = None
         body = bytearray()
-        full_duplex = True  # GAIE's gateways stream; Envoy says which mode in protocol_config
+        # GAIE's gateways stream both bodies; Envoy says which modes in protocol_config.
+        full_duplex = response_full_duplex = True
         clock: StageClock | None = None
         picked: list[Pick] = []  # the request's pick, once made (its answer's status is checked)
+        watch: AnswerWatch | None = None  # the answer's TTFT and TPOT, when watched
+        picked_at = 0.0
         async for message in request_iterator:
             if clock is None:
                 clock = StageClock()
             kind = message.WhichOneof("request")
             if message.HasField("protocol_config"):
                 full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
+                response_full_duplex = message.protocol_config.response_body_mode == FULL_DUPLEX
             if kind == "request_headers":
                 headers = {h.key.lower(): _header_value(h) for h in message.request_headers.headers.headers}
                 subset = endpoint_subset(message)
@@ -161,22 +192,31 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     async for reply in self._route(headers, subset, bytes(body), full_duplex, clock,
                                                    picked):
                         yield reply
+                    picked_at = time.monotonic()  # the route is out: the answer's TTFT starts
                     body.clear()
             elif kind == "request_trailers":
                 yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
             elif kind == "response_headers":
                 # The frontend's answer to the routed request: a failure there tells the picker
-                # what discovery does not yet (a pinned prefill worker that is gone).
+                # what discovery does not yet (a pinned prefill worker that is gone); a share of
+                # the follow-ups' answers are watched for their TTFT and TPOT.
                 if picked:
-                    self.picker.answered(picked[0], response_status(message.response_headers))
+                    response = message.response_headers
+                    status = response_status(response)
+                    self.picker.answered(picked[0], status)
+                    watch = self.picker.watch(picked[0], status, content_type(response), picked_at)
                 if not message.observability_mode:  # in observability mode Envoy reads no answer
-                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+                    yield WATCH_BODY if watch is not None else SKIP_BODY
             elif kind == "response_body":  # passed through unchanged, as GAIE's EPP does
                 chunk = message.response_body
-                mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                    body=chunk.body, end_of_stream=chunk.end_of_stream)) if full_duplex else None
-                yield pb.ProcessingResponse(response_body=pb.BodyResponse(
-                    response=pb.CommonResponse(body_mutation=mutation)))
+                if watch is not None:
+                    watch.chunk(chunk.body, chunk.end_of_stream)
+                if response_full_duplex:
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                        body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                            body=chunk.body, end_of_stream=chunk.end_of_stream)))))
+                else:
+                    yield BODY_CONTINUE
             elif kind == "response_trailers":
                 yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 

@@ -6,10 +6,12 @@ checks the limits, plans the turn with the relay router's own state and planner
 its session (write-behind: nothing on the path waits for etcd), and answers with the frontend to
 send the request to, the headers that carry the route (`route.route_headers`) and the body with
 the prompt's token ids in it, so the frontend does not tokenize it again (`_body_to_send`). It
-never sees the answer's tokens: the next turn finds the history by the decode worker's KV events
-(TensorRT-LLM stores a finished sequence's blocks) and the prompt, which repeats the answer. It
-sees the answer's status when the gateway sends the response headers (`answered`): a failed
-turn pinned to a prefill worker tells it that worker is gone.
+does not need the answer's tokens: the next turn finds the history by the decode worker's KV
+events (TensorRT-LLM stores a finished sequence's blocks) and the prompt, which repeats the
+answer. It sees the answer's status when the gateway sends the response headers (`answered`): a
+failed turn pinned to a prefill worker tells it that worker is gone. And it watches a share of the
+follow-ups' answers (`watch`, `outcomes.AnswerWatch`: ``--observe-share``) for their TTFT and
+TPOT, which the policy learns from as it does behind the relay router.
 
 The loads this picker adds (``Routing.loads``, which placement ranks workers by, merged with the
 workers' forward-pass reports) are charged when a turn is routed and released when the turn is
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ from ..policy.decision import Route
 from ..routing.planner import NoWorkers
 from ..routing.state import Routing, Turn
 from .frontends import Frontends
+from .outcomes import DEFAULT_OBSERVE_SHARE, AnswerWatch
 from .prompt import PromptError, PromptTokenizer
 from .route import SESSION_HEADER, route_headers, without_client_pins
 from .stages import StageClock
@@ -74,10 +78,13 @@ class Picker:
     """The per-request handler around the shared routing state (see the module docstring)."""
 
     def __init__(self, routing: Routing, tokenizer: PromptTokenizer,
-                 frontends: Frontends | Sequence[str], send_token_ids: bool = True):
+                 frontends: Frontends | Sequence[str], send_token_ids: bool = True,
+                 observe_share: float = DEFAULT_OBSERVE_SHARE, rng: random.Random | None = None):
         self.routing = routing
         self.tokenizer = tokenizer
         self.send_token_ids = send_token_ids  # `_body_to_send`
+        self.observe_share = observe_share  # `watch`
+        self._draw = (rng or random.Random()).random
         self.frontends = frontends if isinstance(frontends, Frontends) else Frontends(frontends)
         routing.decode_chosen_downstream = True
         routing.prefill_bound_downstream = True
@@ -182,6 +189,19 @@ class Picker:
                     status, turn.prefill)
         self.routing.metrics.errors.labels("prefill_failed").inc()
         self.routing.mark_unreachable(turn.prefill)
+
+    def watch(self, pick: Pick, status: int | None, content_type: str,
+              picked_at: float) -> AnswerWatch | None:
+        """Whether to watch this answer for its TTFT and TPOT (`outcomes`): a streamed 200 to a
+        follow-up the policy learns from, drawn with probability ``observe_share``; its watch,
+        else None. ``picked_at``: when the route went out (``time.monotonic()``)."""
+        turn = pick.turn
+        if (status != 200 or turn is None or not self.observe_share or "event-stream" not in content_type
+                or not self.routing.learns_from(turn)):
+            return None
+        if self.observe_share < 1.0 and self._draw() >= self.observe_share:
+            return None
+        return AnswerWatch(self.routing, turn, picked_at)
 
     def _charge(self, turn: Turn, max_tokens: int | None) -> None:
         """Count the turn on its workers until it is predicted to end (see the module docstring)."""

@@ -46,7 +46,7 @@ async def serve(configs: tuple[RoutingConfig, PickerConfig]) -> None:
     frontends = Frontends(picker_config.frontends, picker_config.frontend_refresh_s)
     await frontends.start()
     picker = Picker(routing, PromptTokenizer.from_model_dir(path), frontends,
-                    send_token_ids=picker_config.send_token_ids)
+                    send_token_ids=picker_config.send_token_ids, observe_share=picker_config.observe_share)
     if routing.kv_sync is not None and not await routing.kv_sync.settled():
         log.warning("the workers' residency was not rebuilt within 10 s of start; serving anyway "
                     "(follow-ups go through prefill until their decode workers' KV events arrive)")
