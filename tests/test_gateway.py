@@ -50,6 +50,9 @@ class FakeEpp(external_processor_pb2_grpc.ExternalProcessorServicer):
     # How long it takes to answer a response_headers message (the gateway sends it in
     # observability mode and reads no answer it waits for); None: no answer at all.
     response_answer_after_s: float | None = 0.0
+    # The mode_override in that answer (tests/test_gateway_mode_override.py); response bodies
+    # are answered CONTINUE, unchanged.
+    mode_override: processing_mode_pb2.ProcessingMode | None = None
     streams: list[list[pb.ProcessingRequest]] = field(default_factory=list)
     ended: int = 0  # streams the gateway closed (their request iterator ran out)
     server: grpc.aio.Server | None = None
@@ -83,7 +86,11 @@ class FakeEpp(external_processor_pb2_grpc.ExternalProcessorServicer):
             if kind == "response_headers":
                 if self.response_answer_after_s is not None:
                     await asyncio.sleep(self.response_answer_after_s)
-                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(),
+                                                mode_override=self.mode_override)
+                continue
+            if kind == "response_body":
+                yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse()))
                 continue
             if kind == "request_headers" and (message.request_headers.end_of_stream or not full_duplex):
                 yield self._headers_answer(None)

@@ -46,6 +46,10 @@ class GatewayConfig:
     # mode: never waited for): a 5xx for a turn pinned to a prefill worker that is gone makes the
     # picker leave that worker out at once instead of when Dynamo's discovery drops it.
     response_headers: bool = True
+    # Envoy's allow_mode_override: the response headers go out in the ordinary mode (answered
+    # before the response goes on), and a mode_override in the picker's answer is honoured: the
+    # picker asks this way for the bodies of the answers it watches (`extproc`, step 5).
+    allow_mode_override: bool = False
     # How long a picker that failed is left out before it is tried again (a restarted replica is
     # back in use after this), like an outlier ejection; not a flag, tests shorten it.
     picker_retry_after_s: float = 5.0
@@ -72,6 +76,9 @@ class GatewayConfig:
             raise ValueError(f"--picker lists an address twice ({','.join(self.pickers)}); list each once")
         if not self.picker_timeout_ms > 0:
             raise ValueError(f"--picker-timeout-ms must be positive, not {self.picker_timeout_ms:g}")
+        if self.allow_mode_override and not self.response_headers:
+            raise ValueError("--allow-mode-override needs the response header phase (the picker's answer "
+                             "to the response headers carries the override): drop --no-response-headers")
         if self.body_mode not in BODY_MODES:
             raise ValueError(f"--body-mode {self.body_mode!r}: choose {' or '.join(BODY_MODES)}")
         if not self.picker_retry_after_s >= 0:
@@ -154,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "headers on the same ext_proc stream (response_header_mode SEND, without waiting "
                    "for an answer, as Envoy's observability mode), so that a 5xx for a turn pinned to "
                    "a prefill worker that is gone takes that worker out of the picker's plans at once")
+    p.add_argument("--allow-mode-override", action="store_true",
+                   help="as Envoy's ext_proc allow_mode_override: send the response headers in the "
+                   "ordinary mode (the response waits for the picker's answer, up to "
+                   "--picker-timeout-ms) and honour a mode_override in that answer; the picker asks "
+                   "this way for the body of each answer it watches for its TTFT and TPOT "
+                   "(response_body_mode STREAMED: each body piece to the picker and answered before it "
+                   "goes to the client)")
     p.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics (ppd_gateway_*) on this port; none: no metrics server")
     return p
@@ -164,7 +178,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     a = parser.parse_args(argv)
     config = GatewayConfig(host=a.host, port=a.port, upstream=a.upstream, pickers=tuple(a.picker or ()),
                            picker_timeout_ms=a.picker_timeout_ms, body_mode=a.body_mode,
-                           metrics_port=a.metrics_port, response_headers=a.response_headers)
+                           metrics_port=a.metrics_port, response_headers=a.response_headers,
+                           allow_mode_override=a.allow_mode_override)
     try:
         return config.validate()
     except ValueError as exc:

@@ -37,7 +37,25 @@ Per request, one `Process` stream:
    `CLOSE_GRACE_S` (Envoy's ``deferred_close_timeout``, 5 s by default). A failure there is
    logged at debug and changes nothing for the client. GAIE's gateways (kgateway, Istio) send
    response headers too, but wait for the answer (no observability mode) and stream the
-   response body through the picker as well (deploy/README.md); the picker needs the status only.
+   response body through the picker as well (deploy/README.md).
+5. With ``--allow-mode-override`` (Envoy's ``allow_mode_override: true``) the response headers go
+   out in the ordinary mode instead (``observability_mode`` false) and the response waits for the
+   picker's answer (`ResponsePhase.ask`), because that answer may carry a ``mode_override``: the
+   processing mode for the rest of this request. Honoured as Envoy's filter honours it
+   (`Filter::onReceiveMessage`, ext_proc.cc): only in the answer to headers, never in
+   observability mode, never one naming FULL_DUPLEX_STREAMED; header modes left DEFAULT keep the
+   configured ones, body modes are taken as given. What this gateway acts on is the response
+   body mode: STREAMED sends each body piece to the picker as Envoy's STREAMED mode does, one
+   ``response_body`` HttpBody per piece (``end_of_stream`` on the last; an empty last one when the
+   body's end carries no data), each held from the client until the picker answers it; its
+   answer's mutations are not applied (the picker makes none), an immediate response there is
+   ignored. NONE, or no override, sends no body. BUFFERED and the other modes are not played:
+   no body is sent (logged once). Envoy's newest filter also ignores every override while its
+   configured request or response body mode is FULL_DUPLEX_STREAMED, which is this gateway's
+   request body mode by default; this gateway does not, so that the picker can observe answers
+   here (on GAIE's gateways it gets every response body anyway, FULL_DUPLEX_STREAMED). A picker
+   that does not answer within ``--picker-timeout-ms``, or fails, is left alone for the rest of
+   the request and the response goes on (fail open).
 
 Each awaited answer has ``--picker-timeout-ms`` (Envoy's ``message_timeout``). A gRPC error, a
 timeout, or a stream that ends early raise `PickerError`; `PickerPool` then tries the next
@@ -61,6 +79,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
 from .headers import apply_header_mutation, merge_metadata, to_header_map
 from .http import HOP_BY_HOP, Headers
+from .upstream import BodyTap
 
 log = logging.getLogger("dynamo_ppd.gateway")
 
@@ -249,7 +268,7 @@ async def process(stub: external_processor_pb2_grpc.ExternalProcessorStub, heade
         if writer is not None:
             await asyncio.gather(writer, return_exceptions=True)
         if done and closing is not None and keep_open:
-            exchange.result.response = ResponsePhase(call, closing)
+            exchange.result.response = ResponsePhase(call, closing, timeout_s)
         elif done and closing is not None:
             # Half-close as Envoy does when processing is over, and let the picker end the
             # stream in its own time; cancel it if it does not.
@@ -287,15 +306,33 @@ async def _finish(call: Any, last: pb.ProcessingRequest | None = None) -> None:
         call.cancel()
 
 
+_warned_modes: set[int] = set()
+
+
+def override_body_mode(answer: pb.ProcessingResponse) -> int | None:
+    """The response body mode the ``mode_override`` of an answer to headers sets, with
+    ``allow_mode_override``, as Envoy would honour it (module doc, step 5): None when it has none
+    or it is ignored."""
+    if not answer.HasField("mode_override"):
+        return None
+    mode = answer.mode_override
+    if Mode.FULL_DUPLEX_STREAMED in (mode.request_body_mode, mode.response_body_mode):
+        return None  # Envoy: "mode override from response is FULL_DUPLEX_STREAMED" is refused
+    return mode.response_body_mode
+
+
 class ResponsePhase:
-    """A routed request's ext_proc stream after the request phase (module doc, step 4): `report`
-    sends the response's status and closes the stream, `close` closes it without one; the first
-    call does it, later ones do nothing. Neither waits: the work runs in a task of the pool's
+    """A routed request's ext_proc stream after the request phase (module doc, steps 4 and 5):
+    `report` sends the response's status in observability mode and closes the stream, `ask`
+    sends it in the ordinary mode and waits for the answer (and returns the body's tap when the
+    picker asked for the body), `close` closes it without a status; the first of the three does
+    it, later ones do nothing. Closing never waits: the work runs in a task of the pool's
     ``closing`` set, which `PickerPool.close` cancels."""
 
-    def __init__(self, call: Any, closing: set[asyncio.Task]):
+    def __init__(self, call: Any, closing: set[asyncio.Task], timeout_s: float = 1.0):
         self._call = call
         self._closing = closing
+        self._timeout_s = timeout_s  # per awaited answer (`ask`, the body's pieces)
         self.finished = False
 
     def report(self, status: int, headers: Headers, end_of_stream: bool) -> None:
@@ -310,6 +347,67 @@ class ResponsePhase:
             return
         self.finished = True
         _in_background(_finish(self._call), self._closing)
+
+    async def ask(self, status: int, headers: Headers, end_of_stream: bool) -> BodyTap | None:
+        """Send the response's status and headers and wait for the picker's answer (module doc,
+        step 5); the tap for the body when its mode override asks for a STREAMED body, else
+        None (the stream is then closed). Never raises: a failing picker is left alone."""
+        if self.finished:
+            return None
+        message = response_headers_message(status, headers, end_of_stream)
+        message.observability_mode = False
+        try:
+            await self._call.write(message)
+            answer = await self._answer("response_headers")
+        except PickerError as exc:
+            log.debug("response headers not answered (%s): going on without the picker", exc)
+            self._abandon()
+            return None
+        mode = override_body_mode(answer)
+        if mode == Mode.STREAMED and not end_of_stream:
+            return self._body
+        if mode not in (None, Mode.NONE, Mode.STREAMED) and mode not in _warned_modes:
+            _warned_modes.add(mode)
+            log.info("the picker asked for response body mode %s, which this gateway does not play: "
+                     "no body sent", Mode.BodySendMode.Name(mode))
+        self.close()
+        return None
+
+    async def _body(self, data: bytes, end_of_stream: bool) -> None:
+        """One piece of the response body to the picker, held until answered (the tap `ask`
+        returns); the stream is closed after the last piece."""
+        if self.finished:
+            return
+        try:
+            await self._call.write(pb.ProcessingRequest(
+                response_body=pb.HttpBody(body=data, end_of_stream=end_of_stream)))
+            await self._answer("response_body")
+        except PickerError as exc:
+            log.debug("response body not answered (%s): going on without the picker", exc)
+            self._abandon()
+            return
+        if end_of_stream:
+            self.close()
+
+    async def _answer(self, kind: str) -> pb.ProcessingResponse:
+        """The picker's next answer; PickerError when it fails, is late or answers out of turn."""
+        try:
+            answer = await asyncio.wait_for(self._call.read(), self._timeout_s)
+        except asyncio.TimeoutError:
+            raise PickerError(f"no answer within {self._timeout_s * 1000:g} ms") from None
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            raise PickerError(str(exc) or type(exc).__name__) from None
+        if answer is grpc.aio.EOF:
+            raise PickerError("the picker closed the stream")
+        if answer.WhichOneof("response") != kind:
+            # An immediate response once the answer has started is not played here (module doc).
+            raise PickerError(f"answered {answer.WhichOneof('response')} to {kind}")
+        return answer
+
+    def _abandon(self) -> None:
+        """The picker failed on this stream: cancel it, the response goes on without it."""
+        self.finished = True
+        self._call.cancel()
 
 
 class PickerPool:

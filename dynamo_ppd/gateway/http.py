@@ -8,6 +8,7 @@ kept as latin-1 text so any byte survives the round trip unchanged."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -243,11 +244,14 @@ def client_response_head(head: ResponseHead, close: bool) -> bytes:
 
 
 async def relay_body(framing: str, head: ResponseHead, upstream: asyncio.StreamReader,
-                     client: asyncio.StreamWriter) -> None:
+                     client: asyncio.StreamWriter,
+                     tap: Callable[[bytes, bool], Awaitable[None]] | None = None) -> None:
     """Copy the response body from the upstream to the client as it arrives: each chunk of a
     chunked body is written (as-is, size line included) and flushed as soon as it is whole, so an
     SSE event reaches the client when the upstream sends it. Raises IncompleteReadError when the
-    upstream ends early and ConnectionError when the client goes away."""
+    upstream ends early and ConnectionError when the client goes away. ``tap``: awaited with each
+    piece of the body's content (a chunk's data without its framing) and whether it is the last
+    (an empty last piece when the end carries no data), before the piece goes to the client."""
     if framing == "length":
         remaining = head.content_length or 0
         while remaining:
@@ -255,6 +259,8 @@ async def relay_body(framing: str, head: ResponseHead, upstream: asyncio.StreamR
             if not data:
                 raise asyncio.IncompleteReadError(b"", remaining)
             remaining -= len(data)
+            if tap is not None:
+                await tap(data, not remaining)
             client.write(data)
             await client.drain()
     elif framing == "chunked":
@@ -269,15 +275,24 @@ async def relay_body(framing: str, head: ResponseHead, upstream: asyncio.StreamR
                 while (field_line := await upstream.readuntil(b"\r\n")) != b"\r\n":
                     trailer.append(field_line)
                 trailer.append(b"\r\n")
+                if tap is not None:
+                    await tap(b"", True)
                 client.write(b"".join(trailer))
                 await client.drain()
                 return
-            client.write(line + await upstream.readexactly(size + 2))
+            chunk = await upstream.readexactly(size + 2)
+            if tap is not None:
+                await tap(chunk[:-2], False)
+            client.write(line + chunk)
             await client.drain()
     elif framing == "close":
         while data := await upstream.read(RELAY_CHUNK):
+            if tap is not None:
+                await tap(data, False)
             client.write(data)
             await client.drain()
+        if tap is not None:
+            await tap(b"", True)
 
 
 def simple_response(status: int, headers: Headers, body: bytes, close: bool) -> bytes:

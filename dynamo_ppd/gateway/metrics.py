@@ -11,6 +11,8 @@
 - ``ppd_gateway_immediate_responses_total{code}``: the picker's immediate responses, by status.
 - ``ppd_gateway_upstream_errors_total``: upstreams unreachable, or failing before or while
   answering.
+- ``ppd_gateway_picker_response_bodies_total``: responses whose body went through the picker
+  (it asked for it with a mode override, --allow-mode-override).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class GatewayMetrics:
                                            registry=self.registry)
         self.upstream_errors = Counter("ppd_gateway_upstream_errors",
                                        "Upstreams unreachable or failing before or while answering",
+                                       registry=self.registry)
+        self.response_bodies = Counter("ppd_gateway_picker_response_bodies",
+                                       "Responses whose body went through the picker (its mode override)",
                                        registry=self.registry)
         self._server: WSGIServer | None = None
 

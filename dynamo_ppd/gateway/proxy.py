@@ -14,7 +14,8 @@ Per request, as an Envoy Gateway with the Inference Extension's ext_proc filter 
 4. Forward with a Content-Length for the (maybe replaced) body; relay the answer. A routed
    request's ext_proc stream is still open (unless --no-response-headers): the answer's status
    and headers go to the picker as they arrive, not waited for (`extproc.ResponsePhase`), and
-   the stream is closed however the forwarding ends.
+   the stream is closed however the forwarding ends. With --allow-mode-override they are waited
+   for, and the body goes through the picker when its answer asks for it (a mode override).
 
 Client connections are kept alive between requests (HTTP/1.1 rules). `Gateway` is the in-process
 API (`start`/`stop`/`port`); `serve` runs one until SIGTERM or SIGINT.
@@ -34,6 +35,7 @@ from .extproc import PickerPool, ResponsePhase
 from .headers import destination, envoy_headers, upstream_request_parts
 from .http import (
     MAX_HEAD_BYTES,
+    Headers,
     HttpError,
     RequestHead,
     read_body,
@@ -41,7 +43,7 @@ from .http import (
     simple_response,
 )
 from .metrics import GatewayMetrics
-from .upstream import UpstreamPool
+from .upstream import AskResponse, BodyTap, UpstreamPool
 
 log = logging.getLogger("dynamo_ppd.gateway")
 
@@ -82,6 +84,8 @@ class Gateway:
     def describe(self) -> str:
         pickers = ",".join(self.config.pickers) if self.config.pickers else "none (pass-through)"
         response = ", response headers" if self.config.pickers and self.config.response_headers else ""
+        if response and self.config.allow_mode_override:
+            response += " (mode override allowed)"
         text = (f"gateway on {self.url} -> upstream {self.config.upstream}, picker {pickers} "
                 f"(mode {self.config.body_mode}{response}, timeout {self.config.picker_timeout_ms:g} ms)")
         if self.metrics_port is not None:
@@ -189,17 +193,30 @@ class Gateway:
                 outcome, headers, body = "routed", result.headers, result.body
                 endpoint = destination(headers, result.metadata) or self.config.upstream
                 response = result.response
+        ask: AskResponse | None = None
+        if response is not None and self.config.allow_mode_override:
+            ask = self._asking(response)
         try:
             method, target, upstream_headers = upstream_request_parts(headers)
             forwarded, keep = await self.upstreams.forward(
                 endpoint, method, target, upstream_headers, body, client, close,
-                on_response=response.report if response is not None else None)
+                on_response=response.report if response is not None and ask is None else None, ask=ask)
         finally:
             if response is not None:
                 response.close()  # no status came (cancelled, an error): close the stream anyway
         if forwarded == "bad_gateway":
             self.metrics.upstream_errors.inc()
         return (outcome if forwarded == "ok" else forwarded), keep
+
+
+    def _asking(self, response: ResponsePhase) -> AskResponse:
+        """`ResponsePhase.ask`, counting the bodies the picker asks for."""
+        async def ask(status: int, headers: Headers, end_of_stream: bool) -> BodyTap | None:
+            tap = await response.ask(status, headers, end_of_stream)
+            if tap is not None:
+                self.metrics.response_bodies.inc()
+            return tap
+        return ask
 
 
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:

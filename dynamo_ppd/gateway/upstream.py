@@ -8,7 +8,9 @@ reached, or fails before answering, gets the client a 502 with an OpenAI-style J
 
 The status the client gets is told to ``on_response`` as soon as it is known, before any of the
 body goes out: the upstream's status line and headers, or the gateway's own 502 (the ext_proc
-response phase, `extproc.ResponsePhase`)."""
+response phase, `extproc.ResponsePhase`). Or it is asked of ``ask``, awaited before the response
+goes on (the response phase in the ordinary mode, with mode overrides allowed), whose answer may
+be a tap for the body: each piece of it is awaited there before it goes to the client."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import asyncio
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from .args import parse_endpoint
@@ -34,6 +36,11 @@ log = logging.getLogger("dynamo_ppd.gateway")
 
 # Told the response's status, headers and whether no body follows; must not block.
 OnResponse = Callable[[int, Headers, bool], None]
+# Each piece of the body and whether it is the last; awaited before it goes on; never raises.
+BodyTap = Callable[[bytes, bool], Awaitable[None]]
+# Asked with the response's status, headers and whether no body follows, before the response goes
+# on; answers with a tap for the body, or None; never raises.
+AskResponse = Callable[[int, Headers, bool], Awaitable[BodyTap | None]]
 BAD_GATEWAY_HEADERS: Headers = [("content-type", "application/json")]
 
 
@@ -94,10 +101,11 @@ class UpstreamPool:
 
     async def forward(self, endpoint: str, method: str, target: str, headers: Headers, body: bytes,
                       client: asyncio.StreamWriter, close_client: bool,
-                      on_response: OnResponse | None = None) -> tuple[str, bool]:
+                      on_response: OnResponse | None = None,
+                      ask: AskResponse | None = None) -> tuple[str, bool]:
         """Send the request to ``endpoint`` and relay its response to ``client``. Returns the
         outcome (``ok``, ``bad_gateway``, ``client_gone``) and whether the client connection stays
-        open. ``on_response`` learns the status first (module doc)."""
+        open. ``on_response`` learns the status first, or ``ask`` is asked it (module doc)."""
         payload = encode_request(method, target, headers, body)
         while True:
             conn = self._take_idle(endpoint)
@@ -107,7 +115,7 @@ class UpstreamPool:
                     conn = await self._connect(endpoint)
                 except (OSError, ValueError, asyncio.TimeoutError) as exc:
                     reason = f"upstream {endpoint} unreachable: {str(exc) or type(exc).__name__}"
-                    return await self._fail(client, reason, close_client, on_response)
+                    return await self._fail(client, reason, close_client, on_response, ask)
             try:
                 conn.writer.write(payload)
                 await conn.writer.drain()
@@ -119,15 +127,16 @@ class UpstreamPool:
                     continue  # the idle connection was dead: the upstream never saw the request
                 reason = str(exc) or type(exc).__name__
                 return await self._fail(client, f"upstream {endpoint} failed: {reason}", close_client,
-                                        on_response)
+                                        on_response, ask)
 
         framing = head.body_framing(method)
         _tell(on_response, head.status, head.headers, framing == "none")
+        tap = await ask(head.status, head.headers, framing == "none") if ask is not None else None
         keep_client = not close_client and framing != "close"
         try:
             client.write(client_response_head(head, close=not keep_client))
             await client.drain()
-            await relay_body(framing, head, conn.reader, client)
+            await relay_body(framing, head, conn.reader, client, tap)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             conn.close()
             if client.is_closing():
@@ -144,9 +153,12 @@ class UpstreamPool:
         return "ok", keep_client
 
     async def _fail(self, client: asyncio.StreamWriter, message: str, close_client: bool,
-                    on_response: OnResponse | None = None) -> tuple[str, bool]:
+                    on_response: OnResponse | None = None,
+                    ask: AskResponse | None = None) -> tuple[str, bool]:
         log.warning("%s", message)
         _tell(on_response, 502, BAD_GATEWAY_HEADERS, False)
+        if ask is not None:
+            await ask(502, BAD_GATEWAY_HEADERS, False)  # its body, the gateway's own, is not sent
         try:
             client.write(bad_gateway(message, close_client))
             await client.drain()
