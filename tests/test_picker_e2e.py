@@ -4,7 +4,8 @@ first turn goes through the prefill worker and its follow-ups run decode-local o
 holding the history; picker replicas share sessions; headerless users sharing a system prompt
 never merge; a spoofed session id does not move the owner; a restarted picker recovers residency
 from the workers; the session table is bounded; bad requests get their 4xx before any worker sees
-them; with no picker answering, the gateway fails open to the frontend."""
+them; with no picker answering, the gateway fails open to the frontend; the picker learns from the
+follow-ups' answers it watches, as the relay router does from those it relays."""
 
 from __future__ import annotations
 
@@ -161,6 +162,27 @@ def test_a_restarted_picker_recovers_residency_and_the_gateway_fails_open_withou
         again = chat(dep, [{"role": "user", "content": "Still there? " * 10}], None)
         assert again["text"]
         assert _gateway(dep, "ppd_gateway_picker_fail_open_total") >= 1
+    finally:
+        dep.stop()
+
+
+def test_the_picker_learns_from_the_follow_ups_answers_it_watches(model_dir, tmp_path):
+    # Every follow-up watched: the gateway (--allow-mode-override, as the graph runs it) streams
+    # those answers' bodies through the picker, which times their first and last tokens.
+    dep = _up(tmp_path, model_dir, "run", extra_args={"picker": ["--observe-share", "1"]})
+    try:
+        for i in range(3):
+            results = conversation(dep, turns=2, session=f"learn-{i}")
+            assert all(r["text"] for r in results)
+        picker = metrics(dep, "picker")
+        observed = sum(v for k, v in picker.items() if k.startswith("ppd_outcomes_observed_total"))
+        assert observed == 3  # the three follow-ups; no first turn
+        ratios = {k: v for k, v in picker.items() if k.startswith("ppd_ttft_prediction_ratio_count")}
+        assert sum(ratios.values()) == 3, ratios
+        # Only those answers' bodies went through the picker (the first turns' and the start-up
+        # check's did not).
+        assert _gateway(dep, "ppd_gateway_picker_response_bodies_total") == 3
+        assert _gateway(dep, "ppd_gateway_requests_total{outcome=\"routed\"}") >= 6
     finally:
         dep.stop()
 
