@@ -172,13 +172,13 @@ def test_table_decides_alone_without_drift_and_a_hot_decode_worker_moves_it():
 
 
 def test_calibration_follows_observed_outcomes():
-    calibration = Calibration(alpha=0.5)
+    calibration = Calibration()
     predicted = Prediction(0.010, 0.006)
-    for _ in range(10):
-        calibration.observe(Route.VIA_PREFILL, predicted, ttft_s=0.030, tpot_s=0.006)
-    adjusted = calibration.apply(Route.VIA_PREFILL, predicted)
+    for _ in range(60):
+        calibration.observe("via_prefill", "c1-a0-l0", predicted, predicted, ttft_s=0.030, tpot_s=0.006)
+    adjusted = calibration.apply("via_prefill", "c1-a0-l0", predicted)
     assert adjusted.ttft_s == pytest.approx(0.030, rel=0.01) and adjusted.tpot_s == pytest.approx(0.006)
-    assert calibration.apply(Route.DECODE_LOCAL, predicted) == predicted
+    assert calibration.apply("decode_local", "c1-a0-l0", predicted) == predicted
 
 
 @pytest.mark.slow

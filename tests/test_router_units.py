@@ -18,8 +18,8 @@ from dynamo_ppd.policy.decision import (
     RequestFeatures,
     Route,
     WorkerLoad,
-    score,
 )
+from dynamo_ppd.policy.score import score
 from dynamo_ppd.routing.residency import Residency
 from dynamo_ppd.routing.sessions import SessionRecord, decode, encode
 

@@ -28,10 +28,14 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..engine.cost import CostModel, PrefillChunk
-from ..engine.profile import EngineProfile
-from .score import Prediction, score
+from .features import RequestFeatures, WorkerLoad, moves_to_best
+from .learning import Calibration, FleetMeans, bucket_of
+from .predictor import ProfilePredictor, RouteCosts
+from .score import Prediction
 from .table import PpdTable, Weights
+
+__all__ = ["Calibration", "Decision", "Mode", "Observed", "Policy", "PolicyConfig", "ProfilePredictor",
+           "RequestFeatures", "Route", "RouteCosts", "WorkerLoad", "moves_to_best"]
 
 
 class Mode(str, enum.Enum):
@@ -49,39 +53,6 @@ class Route(str, enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    """What the router knows about a worker's load right now."""
-
-    inflight_requests: int = 0  # requests this router has running there
-    pending_prefill_tokens: int = 0  # prompt tokens routed there and not yet prefilled
-    decode_requests: int = 0  # sequences decoding there (as last reported)
-    decode_kv_tokens: int = 0  # their total context
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFeatures:
-    decision_key: str  # session and turn: the fraction mode's coin is fixed per key
-    turn: int  # 1-based turn of the conversation, as the router counts it
-    prompt_tokens: int
-    cached_on_decode: int  # prompt tokens the session's decode worker still holds (0 if none)
-    cached_on_prefill: int  # prompt tokens the best prefill worker holds
-    expected_output_tokens: int
-    has_session_decode: bool  # the conversation has a live decode worker
-    decode_load: WorkerLoad
-    prefill_load: WorkerLoad
-    qps: float = 0.0  # request rate the router sees (sliding window)
-    # The least loaded decode worker's load: a turn sent through a prefill worker can move there
-    # (`moves_to_best`, applied by `placement.place`), so its via-prefill TPOT is that worker's,
-    # not the session's.
-    best_decode_load: WorkerLoad | None = None
-
-    @property
-    def new_tokens(self) -> int:
-        """Tokens an append-prefill on the session's decode worker would compute."""
-        return self.prompt_tokens - self.cached_on_decode
-
-
-@dataclass(frozen=True, slots=True)
 class Decision:
     route: Route
     reason: str  # why, for metrics and the debug line
@@ -92,6 +63,13 @@ class Decision:
     table_score: float | None = None  # the cell's measured score (before the online correction)
     raw: Prediction | None = None  # the chosen route's prediction before calibration
     bucket: str = ""  # the calibration bucket the request fell in (context, append, load)
+    margin: float | None = None  # the score's uncertainty: via prefill only below -margin
+
+
+class RoutePredictor(Protocol):
+    def costs(self, features: RequestFeatures) -> tuple[RouteCosts, RouteCosts]:
+        """(decode-local, via-prefill) costs of a follow-up turn (`predictor.ProfilePredictor`)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,103 +83,6 @@ class Observed:
     tpot_error: float | None
 
 
-def moves_to_best(session: WorkerLoad, best: WorkerLoad) -> bool:
-    """A turn going through a prefill worker moves from its decode worker to the least loaded one
-    when the session's is clearly hotter: it gets its KV by transfer anyway, and one hot worker
-    should not keep every conversation that ever landed on it."""
-    return session.decode_requests > best.decode_requests + max(8, best.decode_requests // 2)
-
-
-class Calibration:
-    """Online correction from outcomes: per route, an exponentially weighted ratio of observed to
-    predicted TTFT and TPOT, applied to later predictions. It catches what no signal names: a
-    slower link, other hardware, a workload the profile did not foresee."""
-
-    def __init__(self, alpha: float = 0.1, floor: float = 0.25, cap: float = 4.0):
-        self.alpha, self.floor, self.cap = alpha, floor, cap
-        self.ratios = {route: [1.0, 1.0] for route in (Route.DECODE_LOCAL, Route.VIA_PREFILL)}
-
-    def observe(self, route: Route, predicted: Prediction, ttft_s: float, tpot_s: float | None) -> None:
-        if route not in self.ratios or predicted.ttft_s <= 0:
-            return
-        ratios = self.ratios[route]
-        observed = (ttft_s / predicted.ttft_s, (tpot_s / predicted.tpot_s) if tpot_s else None)
-        for i, value in enumerate(observed):
-            if value is not None:
-                value = min(self.cap, max(self.floor, value))
-                ratios[i] += self.alpha * (value - ratios[i])
-
-    def apply(self, route: Route, p: Prediction) -> Prediction:
-        ttft, tpot = self.ratios[route]
-        return Prediction(p.ttft_s * ttft, p.tpot_s * tpot)
-
-
-class RoutePredictor(Protocol):
-    def predict(self, features: RequestFeatures) -> tuple[Prediction, Prediction]:
-        """(decode-local, via-prefill) predictions for a follow-up turn."""
-        ...
-
-
-class ProfilePredictor:
-    """Cold-start predictions from the engine profile's cost model.
-
-    - via prefill: the prefill worker computes the tokens it does not hold, after the prompt
-      tokens already queued on it; the whole prompt's KV crosses the link; the decode worker then
-      decodes at its current batch.
-    - decode-local: the decode worker computes the tokens it does not hold inside its current
-      batch (one iteration with that chunk), after the prompt tokens already queued on it; its TPOT
-      pays that iteration's extra time spread over the request's output tokens.
-    - A via-prefill turn may move to the least loaded decode worker (`moves_to_best`).
-    """
-
-    def __init__(self, profile: EngineProfile):
-        self.cost = CostModel(profile)
-        self.kv_bytes_per_token = profile.gpu_kv_bytes_per_token  # each GPU pair moves its shard at once
-        self.link_bandwidth = profile.transfer.link_bandwidth_bytes_s
-        self.transfer_setup_s = profile.transfer.transfer_setup_s
-        # The stack's fixed costs that differ between the routes (the request overhead is paid
-        # by both and cancels out of the comparison).
-        self.handoff_s = profile.stack.handoff_overhead_s
-        self.decode_local_s = profile.stack.decode_local_overhead_s
-        full = profile.engine.max_num_tokens
-        self._prefill_s_per_token = self.cost.iteration(0, 0, [PrefillChunk(full, 0, True)]).total_s / full
-
-    def _decode_step_s(self, load: WorkerLoad, prompt_tokens: int) -> float:
-        return self.cost.iteration(load.decode_requests + 1, load.decode_kv_tokens + prompt_tokens).total_s
-
-    def predict(self, f: RequestFeatures) -> tuple[Prediction, Prediction]:
-        target = f.decode_load
-        if f.best_decode_load is not None and moves_to_best(f.decode_load, f.best_decode_load):
-            target = f.best_decode_load
-        decode_step = self._decode_step_s(target, f.prompt_tokens)
-        queued = self._queue_s(f.prefill_load)
-        uncached_p = max(1, f.prompt_tokens - f.cached_on_prefill)
-        prefill_s = self.cost.iteration(0, 0, [PrefillChunk(uncached_p, f.cached_on_prefill, True)]).total_s
-        transfer_s = self.transfer_setup_s + f.prompt_tokens * self.kv_bytes_per_token / self.link_bandwidth
-        via_prefill = Prediction(ttft_s=queued + prefill_s + self.handoff_s + transfer_s + decode_step / 2,
-                                 tpot_s=decode_step)
-
-        load = f.decode_load
-        decode_step = self._decode_step_s(load, f.prompt_tokens)
-        append = self.cost.iteration(load.decode_requests, load.decode_kv_tokens,
-                                     [PrefillChunk(max(1, f.new_tokens), f.cached_on_decode, True)]).total_s
-        extra = max(0.0, append - self.cost.iteration(load.decode_requests, load.decode_kv_tokens).total_s)
-        outputs = max(1, f.expected_output_tokens)
-        # Arriving mid-iteration, the append waits half a decode step on average, then whatever
-        # prompt tokens are queued on the decode worker before it.
-        local = Prediction(ttft_s=self.decode_local_s + decode_step / 2 + self._queue_s(load) + append,
-                           tpot_s=decode_step + extra / outputs)
-        return local, via_prefill
-
-    def _queue_s(self, load: WorkerLoad) -> float:
-        """Time the prompt tokens queued on a worker ahead of a new request add to its wait: their
-        share of full prefill chunks, linear in the tokens. Not one iteration of that size: an
-        iteration's fixed part (the weights streamed once) would make a cell's mean queue of a
-        few tokens (a worker busy now and then) cost ~5 ms, and the online correction would then
-        read an idle prefill worker as several ms faster than the cell it was measured in."""
-        return load.pending_prefill_tokens * self._prefill_s_per_token
-
-
 @dataclass(frozen=True)
 class PolicyConfig:
     mode: Mode = Mode.PPD
@@ -211,6 +92,17 @@ class PolicyConfig:
     # A follow-up is decode-local only if the decode worker holds at least this share of the
     # history it sent before (less means it was evicted: the turn is a full prefill again).
     min_resident_fraction: float = 0.5
+    # Experiment switches (being measured; see docs/decisions.md).
+    normalize: str = "fleet"
+    fleet_tpot: bool = True
+    margin: bool = True
+    table_scope: str = "grid"
+
+
+# Exploration: where the margin is thin, a follow-up whose bucket has not seen the via-prefill
+# route within EXPLORE_AFTER outcomes goes that way with this probability (hashed per request).
+EXPLORE_SHARE = 0.05
+EXPLORE_AFTER = 200
 
 
 class Policy:
@@ -225,6 +117,7 @@ class Policy:
         self.table = table
         self.online_correction = online_correction
         self.calibration = Calibration()
+        self.fleet = FleetMeans()
         self.set_table(table)
         self._weights = Weights(config.w_ttft, config.w_tpot)
 
@@ -246,51 +139,116 @@ class Policy:
             local = _unit_hash(f.decision_key) < self.config.local_fraction
             return Decision(Route.DECODE_LOCAL if local else Route.VIA_PREFILL, "fraction_mode")
         assert self.predictor is not None
+        bucket = bucket_of(f)
+        local_c, via_c = self.predictor.costs(f)
+        local_p, via_p = self._calibrated(local_c, via_c, bucket)
+        ref = self._reference(via_p)
+        live = self._score(local_c, via_p, local_p, ref)
+        margin = self._margin(local_p, via_p, bucket, ref)
+        key, measured, reason = None, None, "predicted"
+        if self.table is not None and self._within_grid(f):
+            key = self.cell_key(f)
+            (cell_local, cell_via), nominal_costs = self._cell(key)
+            # The cell's measured means, over the same denominators as this request's score: the
+            # measured TPOTs already hold what the cell's appends cost the others.
+            measured = (self.config.w_ttft * (cell_via.ttft_s - cell_local.ttft_s) / ref.ttft_s
+                        - self.config.w_tpot * (cell_local.tpot_s - cell_via.tpot_s) / ref.tpot_s)
+            s = measured
+            reason = "table"
+            if self.online_correction:
+                # How far this request's conditions move the score from the cell's. The nominal
+                # conditions go through the same calibration as the live ones, so that only the
+                # conditions differ: the model's own bias is already in the measured score, and
+                # an uncalibrated nominal would add it again (flipping cells with a small margin).
+                n_local, n_via = nominal_costs
+                n_local_p, n_via_p = self._calibrated(n_local, n_via, bucket)
+                s += live - self._score(n_local, n_via_p, n_local_p, ref)
+                reason = "table_corrected"
+        else:
+            s = live
+        # Going through a prefill worker moves the whole context's KV; it must be predicted to
+        # pay by more than the prediction's own measured error, or the turn stays local.
+        route = Route.VIA_PREFILL if s < -margin else Route.DECODE_LOCAL
+        if (route is Route.DECODE_LOCAL and self.online_correction and s < margin
+                and self.calibration.stale(Route.VIA_PREFILL.value, bucket, EXPLORE_AFTER)
+                and _unit_hash("explore:" + f.decision_key) < EXPLORE_SHARE):
+            # A thin margin, and the other route has not been seen here for a while: try it now
+            # and then, or its correction goes stale and the margin never shrinks.
+            route, reason = Route.VIA_PREFILL, "explore"
+        raw = local_c.own if route is Route.DECODE_LOCAL else via_c.own
+        return Decision(route, reason, s, local_p, via_p, key, measured, raw=raw, bucket=bucket,
+                        margin=margin)
+
+    def _calibrated(self, local: RouteCosts, via: RouteCosts, bucket: str) -> tuple[Prediction, Prediction]:
+        if not self.online_correction:
+            return local.own, via.own
+        return (self.calibration.apply(Route.DECODE_LOCAL.value, bucket, local.own),
+                self.calibration.apply(Route.VIA_PREFILL.value, bucket, via.own))
+
+    def _reference(self, via: Prediction) -> Prediction:
+        """What the score's seconds are divided by: the fleet's mean follow-up TTFT and TPOT once
+        outcomes have been seen (a point's score is on those means), else this request's own
+        via-prefill predictions (the paper's per-request score)."""
+        if self.config.normalize == "fleet" and self.fleet.ttft_s and self.fleet.tpot_s:
+            return Prediction(self.fleet.ttft_s, self.fleet.tpot_s)
+        return via
+
+    def _score(self, local_c: RouteCosts, via: Prediction, local: Prediction, ref: Prediction) -> float:
+        """The score priced as the fleet pays it: the TTFT this request gains or loses, and the
+        TPOT it and the sequences its append delays pay (`predictor`), each over ``ref``."""
         w_ttft, w_tpot = self.config.w_ttft, self.config.w_tpot
-        raw_local, raw_prefill = self.predictor.predict(f)
-        local_p, prefill_p = raw_local, raw_prefill
-        if self.online_correction:
-            local_p = self.calibration.apply(Route.DECODE_LOCAL, raw_local)
-            prefill_p = self.calibration.apply(Route.VIA_PREFILL, raw_prefill)
-        live = score(local_p, prefill_p, w_ttft, w_tpot)
-        if self.table is None:
-            route = _route(live)
-            return Decision(route, "predicted", live, local_p, prefill_p,
-                            raw=raw_local if route is Route.DECODE_LOCAL else raw_prefill)
-        key = self.cell_key(f)
-        measured, (nominal_local, nominal_prefill) = self._cell_scores(key)
-        s = measured
-        if self.online_correction:
-            # How far this request's conditions move the score from the cell's. The nominal
-            # conditions go through the same calibration as the live ones, so that only the
-            # conditions differ: the model's own bias is already in the measured score, and an
-            # uncalibrated nominal would add it again (flipping cells with a small margin).
-            nominal = score(self.calibration.apply(Route.DECODE_LOCAL, nominal_local),
-                            self.calibration.apply(Route.VIA_PREFILL, nominal_prefill), w_ttft, w_tpot)
-            s += live - nominal
-        route = _route(s)
-        raw = raw_local if route is Route.DECODE_LOCAL else raw_prefill
-        return Decision(route, "table_corrected" if self.online_correction else "table", s, local_p,
-                        prefill_p, key, measured, raw=raw)
+        # The others' delay is the model's; it is corrected as this worker's TPOT is.
+        others = local_c.others_tpot_s * (local.tpot_s / local_c.own.tpot_s if local_c.own.tpot_s else 1.0)
+        if not self.config.fleet_tpot:
+            others = 0.0
+        return (w_ttft * (via.ttft_s - local.ttft_s) / ref.ttft_s
+                - w_tpot * (local.tpot_s + others - via.tpot_s) / ref.tpot_s)
+
+    def _margin(self, local: Prediction, via: Prediction, bucket: str, ref: Prediction) -> float:
+        """The score's uncertainty from the predictions' measured errors (root sum of squares of
+        each term's error), in the score's units."""
+        if not self.config.margin:
+            return 0.0
+        lt, lp = self.calibration.error(Route.DECODE_LOCAL.value, bucket)
+        vt, vp = self.calibration.error(Route.VIA_PREFILL.value, bucket)
+        ttft = math.hypot(lt * local.ttft_s, vt * via.ttft_s) / ref.ttft_s
+        tpot = math.hypot(lp * local.tpot_s, vp * via.tpot_s) / ref.tpot_s
+        return self.config.w_ttft * ttft + self.config.w_tpot * tpot
+
+    def _within_grid(self, f: RequestFeatures) -> bool:
+        """The table decides only requests near the conditions it measured: a context and an
+        append within a factor 2 of its largest classes (beyond, its nearest cell was measured on
+        other requests and the cost model decides alone)."""
+        if self.config.table_scope == "all":
+            return True
+        if self.config.table_scope == "none":
+            return False
+        assert self.table is not None
+        grid = self.table.grid
+        largest_context = max(c.representative_tokens for c in grid.context_classes)
+        largest_append = max(w.input_tokens for w in grid.workload_classes)
+        return f.prompt_tokens <= 2 * largest_context and f.new_tokens <= 2 * largest_append
 
     def set_table(self, table: PpdTable | None) -> None:
         """Use another table (the router switches when the live P:D configuration changes)."""
         self.table = table
         self._cells = table.index() if table else {}
-        # Per cell, fixed for given weights: (measured score, the predictions of its conditions).
-        self._cell_score_cache: dict[tuple[str, str, float], tuple[float, tuple[Prediction, Prediction]]] = {}
+        # Per cell: its measured means and the costs of its conditions.
+        self._cell_cache: dict[tuple[str, str, float],
+                               tuple[tuple[Prediction, Prediction], tuple[RouteCosts, RouteCosts]]] = {}
         self._workload_points = ([(w.name, math.log(w.input_tokens), math.log(w.output_tokens))
                                   for w in table.grid.workload_classes] if table else [])
 
-    def _cell_scores(self, key: tuple[str, str, float]) -> tuple[float, tuple[Prediction, Prediction]]:
-        cached = self._cell_score_cache.get(key)
+    def _cell(self, key: tuple[str, str, float]) -> tuple[tuple[Prediction, Prediction],
+                                                          tuple[RouteCosts, RouteCosts]]:
+        """A cell's measured (decode-local, via-prefill) means and the costs of its conditions."""
+        cached = self._cell_cache.get(key)
         if cached is None:
             assert self.predictor is not None
-            w_ttft, w_tpot = self.config.w_ttft, self.config.w_tpot
             cell = self._cells[key]
-            measured = score(cell.decode_local.prediction(), cell.via_prefill.prediction(), w_ttft, w_tpot)
-            cached = (measured, self.predictor.predict(self.nominal(key)))
-            self._cell_score_cache[key] = cached
+            cached = ((cell.decode_local.prediction(), cell.via_prefill.prediction()),
+                      self.predictor.costs(self.nominal(key)))
+            self._cell_cache[key] = cached
         return cached
 
     def cell_key(self, f: RequestFeatures) -> tuple[str, str, float]:
@@ -311,8 +269,10 @@ class Policy:
         if chosen is not None and chosen.ttft_s > 0:
             observed = Observed(decision.route, decision.bucket, ttft_s / chosen.ttft_s - 1,
                                 (tpot_s / chosen.tpot_s - 1) if tpot_s and chosen.tpot_s > 0 else None)
-        if self.online_correction:
-            self.calibration.observe(decision.route, decision.raw, ttft_s, tpot_s)
+        if self.online_correction and chosen is not None:
+            self.calibration.observe(decision.route.value, decision.bucket, decision.raw, chosen, ttft_s,
+                                     tpot_s)
+            self.fleet.observe(ttft_s, tpot_s)
         return observed
 
     def cell_of(self, f: RequestFeatures) -> tuple[tuple[str, str, float], RequestFeatures]:
@@ -344,10 +304,6 @@ class Policy:
                                    decode_kv_tokens=round(seen.decode_kv_tokens)),
             prefill_load=WorkerLoad(pending_prefill_tokens=round(cell.via_prefill.conditions.prefill_queue_tokens)),
             qps=key[2])
-
-
-def _route(s: float) -> Route:
-    return Route.DECODE_LOCAL if s > 0 else Route.VIA_PREFILL
 
 
 def _unit_hash(key: str) -> float:

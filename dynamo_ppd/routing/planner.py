@@ -65,6 +65,9 @@ class WorkersView:
     cached_tokens: Mapping[int, int] = field(default_factory=dict)
     loads: Mapping[int, WorkerLoad] = field(default_factory=dict)  # what the policy reads
     routed: Mapping[int, placement.Routed] = field(default_factory=dict)  # this router's own counts
+    # KV tokens each decode worker holds in all (the residency index): spreads new sessions.
+    resident_tokens: Mapping[int, int] = field(default_factory=dict)
+    block_tokens: int = 32
 
     def cached(self, worker: int) -> int:
         return self.cached_tokens.get(worker, 0)
@@ -175,7 +178,8 @@ def residency_home(cluster: WorkersView) -> int | None:
 def _placement_state(cluster: WorkersView, decode: Sequence[int] | None = None
                      ) -> placement.ClusterState[int]:
     return placement.ClusterState(cluster.prefill, cluster.decode if decode is None else decode,
-                                  cluster.loads, cluster.routed, cluster.cached_tokens)
+                                  cluster.loads, cluster.routed, cluster.cached_tokens,
+                                  cluster.resident_tokens, cluster.block_tokens)
 
 
 def served_home(record: SessionRecord, cluster: WorkersView) -> int | None:
