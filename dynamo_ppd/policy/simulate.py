@@ -70,7 +70,10 @@ def cluster_state(view: ClusterView, tokens: list[int], session: str | None = No
     loads = {worker: worker_load(view, worker, own=own) for worker, own in counts.items()}
     holders = [*view.prefill_workers, *([session] if session is not None else [])]
     cached = {worker: view.cached_prefix_tokens(worker, tokens) for worker in holders}
-    return ClusterState(view.prefill_workers, view.decode_workers, loads, counts, cached)
+    # The KV each decode worker holds (the live router counts it from KV events, `Residency`).
+    resident = {worker: view.load(worker).kv_used_blocks * view.block_size for worker in view.decode_workers}
+    return ClusterState(view.prefill_workers, view.decode_workers, loads, counts, cached, resident,
+                        view.block_size)
 
 
 class PolicyRouter:
