@@ -44,7 +44,7 @@ class FakePicker:
     def answered(self, pick, status) -> None:
         self.statuses.append(status)
 
-    def watch(self, pick, status, content_type, picked_at) -> None:
+    def watch(self, pick, status, content_type, picked_at, every_body=False) -> None:
         return None  # never watches an answer (tests/test_picker_outcomes.py does)
 
     async def pick(self, headers, body, path, subset=None, clock=None):

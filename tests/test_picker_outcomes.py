@@ -84,18 +84,22 @@ def _body(data: bytes, end: bool = False) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=end))
 
 
-def _run(picker: Picker, pick: Pick, response: list[tuple[float, pb.ProcessingRequest]]
-         ) -> list[pb.ProcessingResponse]:
+def _run(picker: Picker, pick: Pick, response: list[tuple[float, pb.ProcessingRequest]],
+         response_body_mode: int = Mode.NONE) -> list[pb.ProcessingResponse]:
     """One ext_proc stream through the picker's service: the request (routed to ``pick``), then
-    each response message after its delay in seconds."""
+    each response message after its delay in seconds; ``response_body_mode``: the gateway's, as
+    its protocol_config says."""
     async def routed(*_args, **_kw):
         return pick
 
     picker.pick = routed  # type: ignore[method-assign]
     service = ExtProcService(picker, FakeMetrics())  # type: ignore[arg-type]
 
+    request = _messages(BODY)
+    request[0].protocol_config.response_body_mode = response_body_mode
+
     async def stream():
-        for message in _messages(BODY):
+        for message in request:
             yield message
         for delay, message in response:
             await asyncio.sleep(delay)
@@ -190,3 +194,19 @@ def test_the_share_of_follow_ups_watched_follows_the_flag():
     plan = Turn("s", 2, 10, [], None, decision=Decision(Route.DECODE_LOCAL, "local"))
     unpredicted = Pick("h:1", {}, (), None, plan)
     assert no_predictor.watch(unpredicted, 200, "text/event-stream", 0.0) is None  # nothing to learn
+
+
+@pytest.mark.parametrize("share", [0.0, 1e-9])
+def test_a_gateway_that_streams_every_body_has_every_follow_up_watched_unless_off(share):
+    # GAIE's gateways send every answer's body (FULL_DUPLEX_STREAMED) and the picker echoes each
+    # chunk anyway: watching adds only the reading, so no draw; --observe-share 0 still turns it off.
+    picker, seen = _picker(share=share, rng=random.Random(1))
+    answer = [(0.0, _response_headers()), (0.0, _body(_delta("a"))), (0.01, _body(_delta("b"))),
+              (0.0, _body(DONE, end=True))]
+    replies = _run(picker, _pick(), answer, response_body_mode=Mode.FULL_DUPLEX_STREAMED)
+    assert len(seen) == (1 if share else 0)
+    echoed = [r.response_body.response.body_mutation.streamed_response.body for r in replies[3:]]
+    assert echoed == [_delta("a"), _delta("b"), DONE]  # the body goes on unchanged
+    # A gateway whose body mode an override may change: the draw decides (1e-9: not watched).
+    _run(picker, _pick(), answer, response_body_mode=Mode.STREAMED)
+    assert len(seen) == (1 if share else 0)

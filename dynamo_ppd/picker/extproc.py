@@ -17,7 +17,10 @@ body (a GET) goes to a frontend unrouted.
 
 Response headers and bodies, if the gateway sends them, pass unchanged. The response headers of a
 routed request tell the picker its status (`Picker.answered`) and whether to watch the answer for
-its TTFT and TPOT (`Picker.watch`, `outcomes`); unless sent in observability mode they are
+its TTFT and TPOT (`Picker.watch`, `outcomes`: a share of the follow-ups, or every one where the
+gateway streams every response body through the picker anyway, FULL_DUPLEX_STREAMED, so that
+watching costs nothing more than reading chunks it echoes already); unless sent in observability
+mode they are
 answered with a ``mode_override`` whose ``response_body_mode`` is STREAMED for a watched answer
 and NONE for any other, so a gateway that allows overrides (``allow_mode_override``) sends only
 the watched answers' bodies. Each response body chunk is answered as the gateway's response body
@@ -164,6 +167,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         body = bytearray()
         # GAIE's gateways stream both bodies; Envoy says which modes in protocol_config.
         full_duplex = response_full_duplex = True
+        every_body = False  # the gateway said it streams every response body through (full duplex)
         clock: StageClock | None = None
         picked: list[Pick] = []  # the request's pick, once made (its answer's status is checked)
         watch: AnswerWatch | None = None  # the answer's TTFT and TPOT, when watched
@@ -174,7 +178,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             kind = message.WhichOneof("request")
             if message.HasField("protocol_config"):
                 full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
-                response_full_duplex = message.protocol_config.response_body_mode == FULL_DUPLEX
+                response_full_duplex = every_body = message.protocol_config.response_body_mode == FULL_DUPLEX
             if kind == "request_headers":
                 headers = {h.key.lower(): _header_value(h) for h in message.request_headers.headers.headers}
                 subset = endpoint_subset(message)
@@ -204,7 +208,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     response = message.response_headers
                     status = response_status(response)
                     self.picker.answered(picked[0], status)
-                    watch = self.picker.watch(picked[0], status, content_type(response), picked_at)
+                    watch = self.picker.watch(picked[0], status, content_type(response), picked_at,
+                                              every_body)
                 if not message.observability_mode:  # in observability mode Envoy reads no answer
                     yield WATCH_BODY if watch is not None else SKIP_BODY
             elif kind == "response_body":  # passed through unchanged, as GAIE's EPP does

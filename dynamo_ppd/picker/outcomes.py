@@ -9,9 +9,11 @@ from (`Routing.learns_from`), answered 200 as a stream (``text/event-stream``; a
 answer arrives whole at its end, so its TTFT is unknown: not watched), and drawn with
 probability ``--observe-share``. It answers those headers with ``mode_override``
 ``response_body_mode: STREAMED`` (the others with NONE), so a gateway that allows mode overrides
-sends this answer's body and no other's. On a gateway that streams every body through the picker
-anyway (GAIE's: FULL_DUPLEX_STREAMED, where Envoy ignores overrides), the draw still bounds the
-work below to the watched answers.
+sends this answer's body and no other's: a gRPC message in and one out per chunk, some 200 us of
+the picker's CPU per token watched (docs/bench/request-path.md), hence the small default share.
+A gateway that streams every body through the picker anyway (GAIE's: FULL_DUPLEX_STREAMED, where
+Envoy ignores overrides) has every follow-up watched: the picker echoes those chunks whatever it
+does, and reading one by its bytes costs about a microsecond.
 
 `AnswerWatch` reads each chunk by its bytes only, never as JSON: TTFT is from the pick (the route
 going out) to the first chunk carrying a token (``"content":"x``, ``"text":"x``: a non-empty
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 
 # The share of the follow-ups' answers watched (`Picker.watch`, ``--observe-share``): each watched
 # answer costs the picker a gRPC message in and out per chunk (docs/bench/request-path.md).
-DEFAULT_OBSERVE_SHARE = 0.05
+DEFAULT_OBSERVE_SHARE = 0.01
 # A token's text in a chunk: chat completions' delta content (reasoning_content too) or
 # completions' text, a non-empty JSON string.
 TOKEN = re.compile(rb'(?:content|text)":"[^"]')

@@ -190,16 +190,19 @@ class Picker:
         self.routing.metrics.errors.labels("prefill_failed").inc()
         self.routing.mark_unreachable(turn.prefill)
 
-    def watch(self, pick: Pick, status: int | None, content_type: str,
-              picked_at: float) -> AnswerWatch | None:
+    def watch(self, pick: Pick, status: int | None, content_type: str, picked_at: float,
+              every_body: bool = False) -> AnswerWatch | None:
         """Whether to watch this answer for its TTFT and TPOT (`outcomes`): a streamed 200 to a
-        follow-up the policy learns from, drawn with probability ``observe_share``; its watch,
-        else None. ``picked_at``: when the route went out (``time.monotonic()``)."""
+        follow-up the policy learns from, drawn with probability ``observe_share`` (0: none),
+        or every one when the gateway streams every answer's body through the picker anyway
+        (``every_body``: its response body mode is FULL_DUPLEX_STREAMED, GAIE's; the picker
+        echoes each chunk whether it watches or not, and reading one costs about a microsecond).
+        Its watch, else None. ``picked_at``: when the route went out (``time.monotonic()``)."""
         turn = pick.turn
         if (status != 200 or turn is None or not self.observe_share or "event-stream" not in content_type
                 or not self.routing.learns_from(turn)):
             return None
-        if self.observe_share < 1.0 and self._draw() >= self.observe_share:
+        if not every_body and self.observe_share < 1.0 and self._draw() >= self.observe_share:
             return None
         return AnswerWatch(self.routing, turn, picked_at)
 
