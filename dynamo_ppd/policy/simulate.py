@@ -76,16 +76,60 @@ def cluster_state(view: ClusterView, tokens: list[int], session: str | None = No
                         view.block_size)
 
 
+class PredictionLog:
+    """What a `PolicyRouter` predicted at its follow-up decisions and what the turns then took,
+    as running sums (`sim compare` reports the means at PPD's worst points): the mean predicted
+    decode-local and via-prefill TTFT/TPOT over the follow-ups decided (`Decision.local`,
+    `Decision.via_prefill`, where the decision has them), and the mean observed TTFT/TPOT of the
+    finished follow-ups per route taken. Only this router's own decisions and the turns it was
+    told of (`on_finish`) count."""
+
+    FIELDS = ("local_ttft_s", "local_tpot_s", "via_ttft_s", "via_tpot_s", "observed_local_ttft_s",
+              "observed_local_tpot_s", "observed_via_ttft_s", "observed_via_tpot_s")
+
+    def __init__(self) -> None:
+        self.decisions = 0  # follow-up decisions
+        self._sums = dict.fromkeys(self.FIELDS, 0.0)
+        self._counts = dict.fromkeys(self.FIELDS, 0)
+
+    def _add(self, name: str, value: float | None) -> None:
+        if value is not None:
+            self._sums[name] += value
+            self._counts[name] += 1
+
+    def decided(self, decision: Decision) -> None:
+        self.decisions += 1
+        for prefix, prediction in (("local", decision.local), ("via", decision.via_prefill)):
+            if prediction is not None:
+                self._add(f"{prefix}_ttft_s", prediction.ttft_s)
+                self._add(f"{prefix}_tpot_s", prediction.tpot_s)
+
+    def finished(self, route: Route, ttft_s: float, tpot_s: float | None) -> None:
+        prefixes = {Route.DECODE_LOCAL: "observed_local", Route.VIA_PREFILL: "observed_via"}
+        prefix = prefixes.get(route)
+        if prefix is None:
+            return  # a replica's turn: neither route
+        self._add(f"{prefix}_ttft_s", ttft_s)
+        self._add(f"{prefix}_tpot_s", tpot_s)
+
+    def means(self) -> dict[str, float | None]:
+        """Each figure's mean (None where nothing was recorded)."""
+        return {name: self._sums[name] / self._counts[name] if self._counts[name] else None
+                for name in self.FIELDS}
+
+
 class PolicyRouter:
     """A simulation router that places turns as the live router does (`placement.place`: the same
     prefill and decode choice, the same policy call, a hot decode worker left for a cooler one on
     via-prefill turns), reading a sliding-window rate, and feeding each finished turn's TTFT and
-    TPOT back to the policy (pass `on_finish` to `simulate`)."""
+    TPOT back to the policy (pass `on_finish` to `simulate`). ``predictions`` logs what it
+    predicted at its follow-up decisions and what those turns took (`PredictionLog`)."""
 
     def __init__(self, policy: Policy, window_s: float = 10.0):
         self.policy = policy
         self.rate = SlidingWindowRate(window_s)
         self._pending: dict[tuple[str, int], Decision] = {}
+        self.predictions = PredictionLog()
 
     def place(self, f: SimRequestFeatures, view: ClusterView) -> Placement[str]:
         """The turn's placement (no side effect on the cluster; records the arrival's rate)."""
@@ -100,6 +144,8 @@ class PolicyRouter:
     def __call__(self, f: SimRequestFeatures, view: ClusterView):
         placed = self.place(f, view)
         self._pending[(f.conversation_id, f.turn)] = placed.decision
+        if f.turn > 1:
+            self.predictions.decided(placed.decision)
         if placed.decision.route is Route.DECODE_LOCAL:
             return DecodeLocal(placed.decode)
         assert placed.prefill is not None  # `place` is decode-local without prefill workers
@@ -108,6 +154,7 @@ class PolicyRouter:
     def on_finish(self, record) -> None:
         decision = self._pending.pop((record.conversation_id, record.turn), None)
         if decision is not None and record.turn > 1:
+            self.predictions.finished(decision.route, record.ttft_s, record.tpot_s)
             self.policy.observe(decision, record.ttft_s, record.tpot_s)
 
 
