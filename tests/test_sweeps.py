@@ -259,3 +259,28 @@ def test_sim_compare_sweeps_a_workload_and_reports_it(tmp_path, monkeypatch):
     assert report["summaries"]["cross-node w_tpot 1"] == []  # the grid's tables leave sweeps out
     text = (tmp_path / "pol.md").read_text()
     assert "## Where disaggregation pays" in text and "| long-context | 1P3D | 0.5 |" in text
+
+
+@pytest.mark.slow
+def test_each_seed_climbs_its_own_ladder_and_the_report_pools_the_rungs_both_kept_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(policies, "ProcessPoolExecutor", InProcessPool)
+    tiny = saturation.Sweep("long-context", start_rate=0.5, step=2 ** 0.5, rungs=2, window_s=6.0,
+                            timeout_s=120.0, min_conversations=1)
+    monkeypatch.setitem(saturation.SWEEPS, "long-context", tiny)
+    for module in (policies, sweep_report):
+        monkeypatch.setattr(module, "plot", lambda *args: [])
+    out = tmp_path / "pol"
+    assert cli_main(["sim", "compare", "--configs", "1P3D", "--workloads", "long-context", "--weights", "1",
+                     "--policies", "x1,ppd@1", "--seeds", "0,1", "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "pol.json").read_text())
+    assert sorted((p["policy"], p["rate"], p.get("seed", 0)) for p in report["points"]) == [
+        (policy, rate, seed) for policy in ("ppd@1", "x1") for rate in (0.5, 0.707) for seed in (0, 1)]
+    ppd = {p.get("seed", 0): p["turn2_p99_ttft_s"] for p in report["points"] if p["policy"] == "ppd@1"}
+    assert ppd[0] != ppd[1]  # each seed its own conversations
+    (row,) = report["families"]
+    assert (row["family"], row["link"], row["lanes"]) == ("long-context", "cross-node", 1)
+    assert row["x1"]["of"] == 2  # both rungs, pooled over the two seeds (neither saturated)
+    assert [d["part"] for d in report["done_when"]] == ["sweeps: long-context"] * 2
+    text = (tmp_path / "pol.md").read_text()
+    assert text.index("## Done-when check") < text.index("## PPD at a glance")
+    assert "seed 0's runs of seeds [0, 1]" in text

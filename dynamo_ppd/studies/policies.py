@@ -2,7 +2,9 @@
 and loses.
 
 Each point is (configuration, KV link, workload, rate); every policy runs it on a fresh cluster
-of the same profile and seed, so they see the same conversations. Policies:
+of the same profile and seed, so they see the same conversations, once per seed of ``--seeds``
+(default: one, 0). The report keeps each seed's figures and scores figures pooled over the seeds
+(`seeds`). Policies:
 
 - ``x0`` (every turn through a prefill worker), ``x1`` (every follow-up decode-local),
   ``x0.5`` (half of the follow-ups decode-local, drawn per turn);
@@ -20,7 +22,8 @@ the timeout: `Outcome.turn2_ttft_mean_with_timeouts_s`) and turn-2+ mean TPOT:
 ``w_ttft (TTFT_B - TTFT_A)/TTFT_B - w_tpot (TPOT_A - TPOT_B)/TPOT_B``; a point where A misses the
 95% success bar and B does not is a loss for A whatever the latencies. A policy's score at a
 point is its score against the best other policy (the minimum over the others); |score| <= 0.02
-is a tie.
+is a tie. The page opens with PPD's done-when check per workload family (`families`), and sets
+the tie band beside the seeds' spread (`seeds`) and PPD's worst points beside its predictions.
 
 Clients here are the router's (a chat template over token ids: the decode worker holds the
 history token for token), not the paper authors' text client; the paper's arrivals, two turns
@@ -63,19 +66,29 @@ from ..sim.routing import fraction_router, local_router, paper_proxy_router, par
 from ..sim.shared_run import simulate_shared
 from ..workloads.generators import PAPER_QPS, PAPER_WORKLOADS, make_workload, paper_workload
 from ..workloads.manifest import to_sim
-from . import saturation, sweep_report
-from .policy_points import TIE, PolicyPoint, measured_replicas_against_pd, outcome_of, score, sweep_figures
+from . import families, saturation, seeds, sweep_report
+from .families import CHAT_WORKLOADS, DoneWhen, FamilyRow, WorstPoint
+from .policy_points import TIE, PolicyPoint, Predictions, measured_replicas_against_pd, score, sweep_figures
+from .seeds import SeedSpread
+from .standings import (
+    OTHER_DEPLOYMENTS,
+    HeadToHead,
+    PolicySummary,
+    Standing,
+    group_points,
+    head_to_head,
+    standings,
+    summarize_standings,
+)
+
+__all__ = ["OTHER_DEPLOYMENTS", "CHAT_WORKLOADS", "Standing", "score", "standings", "group_points",
+           "head_to_head", "summarize_standings"]
 
 LINKS = ("intra-node", "cross-node")
-CHAT_WORKLOADS = ("wildchat", "sharegpt")
 WEIGHTS = (1.0, 3.0, 6.0)  # w_tpot, with w_ttft 1
 CHAT_WINDOW_S = 10.0  # seconds of conversation arrivals per chat point, as the paper's window
 SWEEP_LINK = "cross-node"  # the profiles' own link; one link keeps the sweeps in the time budget
 BASE_POLICIES = ("x0", "x1", "x0.5", "replicas", "hybrid")
-# Policies that run the configuration's GPUs as another deployment (aggregated workers), not as
-# its P and D workers: the report also ranks PPD without them, among the policies a router of
-# that P/D deployment could choose from.
-OTHER_DEPLOYMENTS = ("replicas", "hybrid")
 
 
 def _peers() -> list[str]:
@@ -189,11 +202,13 @@ def simulation_key(spec: CompareSpec) -> tuple:
             spec.config if spec.policy.startswith("ppd@") else None, spec.policy, spec.seed)
 
 
-def run_specs(specs: Sequence[CompareSpec]) -> list[PolicyPoint]:
+def run_specs(specs: Sequence[CompareSpec], details: bool = False) -> list[PolicyPoint]:
     """Policies at one point (the same profile, workload, rate and seed; ``config`` and ``link``
     may differ only where `simulation_key` says the run is the same), in their order. Those on
     one cluster share runs while they decide alike (`sim.shared_run`): a run's CPU time is
-    counted on its lead, 0 on the others."""
+    counted on its lead, 0 on the others. ``details`` (sim compare's): also the counts that
+    pooling over seeds weighs by and PPD's own predictions (`Predictions`, from the router of
+    the run whose result it got: a follower that never differed was asked every question itself)."""
     first = specs[0]
     if any((s.profile, s.workload, s.rate, s.seed) != (first.profile, first.workload, first.rate, first.seed)
            for s in specs):
@@ -205,8 +220,13 @@ def run_specs(specs: Sequence[CompareSpec]) -> list[PolicyPoint]:
     by_cluster: dict[tuple[str, str], list[int]] = {}
     for i, spec in enumerate(specs):
         by_cluster.setdefault((cluster_config_for(spec.config, spec.policy), spec.link), []).append(i)
-    def factory(spec: CompareSpec) -> Callable[[], Router]:
-        return lambda: router_for(profile, spec.config, spec.policy, spec.seed)[1]
+    made: dict[str, Router] = {}  # each name's latest router: the one of the run it got its result from
+
+    def factory(name: str, spec: CompareSpec) -> Callable[[], Router]:
+        def make() -> Router:
+            made[name] = router_for(profile, spec.config, spec.policy, spec.seed)[1]
+            return made[name]
+        return make
 
     out: dict[int, PolicyPoint] = {}
     for (cluster_config, link), members in by_cluster.items():
@@ -214,7 +234,7 @@ def run_specs(specs: Sequence[CompareSpec]) -> list[PolicyPoint]:
             return simulate_point(profile, cluster_config, router, conversations, timeout_s, first.seed,
                                   link_preset(link))
 
-        for shared in simulate_shared(run, [(str(i), factory(specs[i])) for i in members]):
+        for shared in simulate_shared(run, [(str(i), factory(str(i), specs[i])) for i in members]):
             result, outcome = shared.result, shared.result.outcome()
             # The sweeps' percentiles, and the bootstrap replicates where a ratio reads them (PPD
             # against replicas); the grid's points do without (the JSON's size). Computed once
@@ -228,59 +248,23 @@ def run_specs(specs: Sequence[CompareSpec]) -> list[PolicyPoint]:
                     if replicates not in extras:
                         extras[replicates] = sweep_figures(result, outcome, ids, replicates=replicates)
                     extra = extras[replicates]
+                if details:
+                    extra = {**extra, "requests": outcome.total_requests, "follow_ups": outcome.turn2.sent}
+                    router = made[name]
+                    if isinstance(router, PolicyRouter):
+                        means = router.predictions.means().items()
+                        extra["predictions"] = Predictions(router.predictions.decisions, **{
+                            k: None if v is None else round(v, 7) for k, v in means})
                 out[int(name)] = PolicyPoint(
                     spec.config, spec.link, spec.workload, spec.rate, spec.policy, outcome.success_rate,
                     outcome.turn2_ttft_mean_with_timeouts_s, outcome.turn2.avg_tpot_s,
                     outcome.turn2.p99_ttft_s, outcome.tokens_per_sec, result.local_share(),
-                    time.process_time() - started if n == 0 else 0.0, **extra)
+                    time.process_time() - started if n == 0 else 0.0, seed=spec.seed, **extra)
             started = time.process_time()
     return [out[i] for i in range(len(specs))]
 
 
 # -- scoring -------------------------------------------------------------------------------------
-
-class Standing(msgspec.Struct, frozen=True):
-    """A policy at one point against the best of the others."""
-
-    policy: str
-    score: float  # min over the others of score(policy, other)
-    best_other: str
-
-
-def standings(points: Sequence[PolicyPoint], w_tpot: float, leave_out: Sequence[str] = ()) -> list[Standing]:
-    """Each policy's score against the best other policy at one point (ppd@w for other weights
-    left out: a weight is one operator's choice, not a competitor; so are ``leave_out``)."""
-    chosen = [p for p in points if (not p.policy.startswith("ppd@") or p.policy == f"ppd@{w_tpot:g}")
-              and p.policy not in leave_out]
-    out = []
-    for a in chosen:
-        others = [(score(a, b, w_tpot), b.policy) for b in chosen if b is not a]
-        if others:
-            value, name = min(others)
-            out.append(Standing(a.policy, value, name))
-    return out
-
-
-class PolicySummary(msgspec.Struct, frozen=True):
-    policy: str
-    points: int
-    wins: int
-    ties: int
-    losses: int
-    at_least_minus_tie: float  # share of points with score >= -0.02
-    above_tie: float  # share of points with score > +0.02
-    beaten_most_by: str | None
-
-
-class HeadToHead(msgspec.Struct, frozen=True):
-    """PPD at one weight against one other policy over the points both ran."""
-
-    policy: str
-    points: int
-    at_least_minus_tie: float  # share of points where PPD's score against it is >= -0.02
-    above_tie: float  # ... > +0.02
-    median_score: float
-
 
 class CompareReport(msgspec.Struct, frozen=True):
     profile: str
@@ -290,65 +274,31 @@ class CompareReport(msgspec.Struct, frozen=True):
     # The same, without the other deployments (`OTHER_DEPLOYMENTS`): on the P/D workers alone.
     same_deployment: dict[str, list[PolicySummary]] = {}
     head_to_head: dict[str, list[HeadToHead]] = {}  # ppd@w against each policy, by the same key
-
-
-def summarize_standings(groups: Iterable[Sequence[PolicyPoint]], w_tpot: float,
-                        leave_out: Sequence[str] = ()) -> list[PolicySummary]:
-    by_policy: dict[str, list[Standing]] = {}
-    for group in groups:
-        for standing in standings(group, w_tpot, leave_out):
-            by_policy.setdefault(standing.policy, []).append(standing)
-    summaries = []
-    for policy, items in by_policy.items():
-        results = [outcome_of(s.score) for s in items]
-        losers = [s.best_other for s in items if s.score < -TIE]
-        summaries.append(PolicySummary(
-            policy, len(items), results.count("win"), results.count("tie"), results.count("loss"),
-            sum(s.score >= -TIE for s in items) / len(items), sum(s.score > TIE for s in items) / len(items),
-            # A tie goes to the first name: a set's order changes with the process's hash seed.
-            max(sorted(set(losers)), key=losers.count) if losers else None))
-    return sorted(summaries, key=lambda s: (-s.at_least_minus_tie, s.policy))
-
-
-def group_points(points: Sequence[PolicyPoint], link: str) -> list[list[PolicyPoint]]:
-    groups: dict[tuple[str, str, float], list[PolicyPoint]] = {}
-    for p in points:
-        if p.link == link:
-            groups.setdefault((p.config, p.workload, p.rate), []).append(p)
-    return list(groups.values())
-
-
-def head_to_head(groups: Iterable[Sequence[PolicyPoint]], w_tpot: float) -> list[HeadToHead]:
-    """PPD at ``w_tpot`` against each other policy alone: where a peer wins, and by how much."""
-    mine = f"ppd@{w_tpot:g}"
-    scores: dict[str, list[float]] = {}
-    for group in groups:
-        ppd = next((p for p in group if p.policy == mine), None)
-        if ppd is None:
-            continue
-        for other in group:
-            if not other.policy.startswith("ppd@"):
-                scores.setdefault(other.policy, []).append(score(ppd, other, w_tpot))
-    out = []
-    for policy, values in scores.items():
-        values.sort()
-        out.append(HeadToHead(policy, len(values), sum(v >= -TIE for v in values) / len(values),
-                              sum(v > TIE for v in values) / len(values), values[len(values) // 2]))
-    return sorted(out, key=lambda h: (h.at_least_minus_tie, h.policy))
+    # PPD per workload family and the done-when targets (`families`), its worst grid points by
+    # "w_tpot <w>", and its score's spread across seeds (`seeds`; none for one seed).
+    families: list[FamilyRow] = []
+    done_when: list[DoneWhen] = []
+    worst: dict[str, list[WorstPoint]] = {}
+    seed_spread: list[SeedSpread] = []
 
 
 def compare(points: Sequence[PolicyPoint], links: Sequence[str], weights: Sequence[float],
-            profile: str, seeds: list[int]) -> CompareReport:
-    """Every point kept; the summaries over the paper/chat grid's only: a sweep's rates are its
-    lanes' ladder and a lane stops at its saturation, so its points are no grid of equals
-    (`sweep_report` reads them)."""
+            profile: str, seed_list: list[int]) -> CompareReport:
+    """Every seed's point kept; the scores of points pooled over seeds (`seeds.pool`); the
+    summaries over the paper/chat grid's only: a sweep's rates are its lanes' ladder and a lane
+    stops at its saturation, so its points are no grid of equals (`sweep_report` and `families`
+    read them)."""
     keys = [(f"{link} w_tpot {w:g}", link, w) for link in links for w in weights]
-    everything, points = list(points), [p for p in points if p.workload not in saturation.SWEEPS]
+    everything = list(points)
+    points = seeds.pool([p for p in everything if p.workload not in saturation.SWEEPS])
     summaries = {key: summarize_standings(group_points(points, link), w) for key, link, w in keys}
     same = {key: summarize_standings(group_points(points, link), w, OTHER_DEPLOYMENTS)
             for key, link, w in keys}
     versus = {key: head_to_head(group_points(points, link), w) for key, link, w in keys}
-    return CompareReport(profile, seeds, everything, summaries, same, versus)
+    rows = families.family_rows(everything, links, weights)
+    return CompareReport(profile, seed_list, everything, summaries, same, versus, rows,
+                         families.done_when(rows), families.worst_points(everything, weights),
+                         seeds.seed_spread(everything, links, weights))
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -371,12 +321,16 @@ def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0
              + (f" and {swept} policy runs of the load sweeps" if swept else "") +
              f" ({len(report.points)} policy runs from {simulations} simulations: {cpu_s / 60:.1f} CPU min, "
              f"{cpu_s / 120:.1f} min on 2 cores), profile "
-             f"`{report.profile}`, seeds {report.seeds}. Score of A against B: the paper's, "
+             f"`{report.profile}`, seeds {report.seeds}"
+             + (" (scores of figures pooled over them: `dynamo_ppd/studies/seeds.py`)"
+                if len(report.seeds) > 1 else "")
+             + ". Score of A against B: the paper's, "
              "`w_ttft (TTFT_B - TTFT_A)/TTFT_B - w_tpot (TPOT_A - TPOT_B)/TPOT_B` on turn-2+ mean TTFT "
              "(failed follow-ups at the timeout) and turn-2+ mean TPOT; missing the 95% success bar "
              "where B does not is a loss. A policy's score at a point is against the best other "
              f"policy there; |score| <= {TIE} is a tie. Module docstring of "
              "`dynamo_ppd/studies/policies.py`: every policy and its source.", ""]
+    lines += families.done_when_lines(report.done_when, report.seeds)
     lines += ["## PPD at a glance", "",
               "PPD at each weight against the best other policy: among all of them, and among those that "
               f"run the P/D workers as they are (without {', '.join(OTHER_DEPLOYMENTS)}, which turn "
@@ -402,6 +356,8 @@ def markdown(report: CompareReport, command: str, wall_s: float, reused: int = 0
                   + "; ".join(f"{c} {w} wins, {t} ties, {lo} losses" for c, w, t, lo in measured)
                   + ". Four aggregated GPUs decode with four; a P/D split decodes with its D GPUs only."]
     lines.append("")
+    lines += [*families.family_lines(report.families), *seeds.spread_lines(report.seed_spread),
+              *families.worst_lines(report.worst)]
     lines += sweep_report.section(report.points, stem)
     for key, summaries in report.summaries.items():
         lines += [f"## {key}", "",
@@ -498,21 +454,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="policies of the swept workloads (default: --policies without x0.5, hybrid "
                         "and dynamo-prefill-load, and with PPD at its first weight only: every policy costs "
                         "a ladder of simulations)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of arrivals, prompts, tokens and draws")
+    seed = parser.add_mutually_exclusive_group()
+    seed.add_argument("--seeds", type=seeds.parse_seeds, metavar="LIST",
+                      help="seeds of arrivals, prompts, tokens and draws: every policy runs every point on "
+                      "each, and points are scored on figures pooled over them (default: 0)")
+    seed.add_argument("--seed", type=int, default=0, help="one seed: --seeds SEED")
     parser.add_argument("--jobs", type=positive_int, default=2, help="parallel processes")
     parser.add_argument("--reuse", type=Path, metavar="JSON",
-                        help="a previous report whose points are kept: only the (point, policy) pairs it "
-                        "lacks are simulated (same profile and seed)")
+                        help="a previous report whose points are kept: only the (point, policy, seed) "
+                        "triples it lacks are simulated (same profile)")
     parser.add_argument("--out", type=Path, default=Path("docs/policies"), metavar="PREFIX",
                         help="writes PREFIX.md, PREFIX.json, PREFIX-<config>-<link>.png and, with a swept "
                         "workload, PREFIX-sweep-<link>-p99-ttft.png and PREFIX-sweep-<link>-tpot.png")
 
 
-PointKey = tuple[str, str, str, float, str]
+PointKey = tuple[str, str, str, float, str, int]
 
 
 def _key(p: PolicyPoint | CompareSpec) -> PointKey:
-    return (p.config, p.link, p.workload, p.rate, p.policy)
+    return (p.config, p.link, p.workload, p.rate, p.policy, p.seed)
 
 
 def _run(pool: ProcessPoolExecutor, specs: Sequence[CompareSpec], previous: dict[PointKey, PolicyPoint],
@@ -534,7 +494,8 @@ def _run(pool: ProcessPoolExecutor, specs: Sequence[CompareSpec], previous: dict
         tasks.setdefault(at, []).append(group)
     progress = Progress(max(1, len(tasks)), label)
     task_list = list(tasks.values())
-    results = pool.map(run_specs, [[specs[g[0]] for g in task] for task in task_list], chunksize=1)
+    results = pool.map(functools.partial(run_specs, details=True),
+                       [[specs[g[0]] for g in task] for task in task_list], chunksize=1)
     for task, points in zip(task_list, results, strict=True):
         for group, point in zip(task, points, strict=True):
             for n, i in enumerate(group):
@@ -544,7 +505,7 @@ def _run(pool: ProcessPoolExecutor, specs: Sequence[CompareSpec], previous: dict
     return [done[i] for i in range(len(specs))]
 
 
-def _sweep(pool: ProcessPoolExecutor, lanes: list[saturation.Lane], profile: str, seed: int,
+def _sweep(pool: ProcessPoolExecutor, lanes: list[saturation.Lane], profile: str,
            previous: dict[PointKey, PolicyPoint]) -> list[PolicyPoint]:
     """The sweeps, rung by rung; within a rung the lanes that cost most at the rung below are
     sent first (longest first: the rung ends when its last point does, so a heavy point sent
@@ -553,7 +514,7 @@ def _sweep(pool: ProcessPoolExecutor, lanes: list[saturation.Lane], profile: str
 
     def run(todo: list[tuple[saturation.Lane, float]], rung: int) -> list[PolicyPoint]:
         order = sorted(range(len(todo)), key=lambda i: -cost.get(todo[i][0], 0.0))
-        specs = [CompareSpec(profile, lane.config, lane.link, lane.workload, rate, lane.policy, seed)
+        specs = [CompareSpec(profile, lane.config, lane.link, lane.workload, rate, lane.policy, lane.seed)
                  for lane, rate in (todo[i] for i in order)]
         points = _run(pool, specs, previous, f"sim compare sweeps, rung {rung + 1}")
         out: list[PolicyPoint] = [points[0]] * len(todo)
@@ -578,27 +539,29 @@ def main(args: argparse.Namespace) -> int:
     except (ProfileError, ValueError) as exc:
         return cli_error(exc)
     grid = [w for w in args.workloads if w not in saturation.SWEEPS]
-    specs = [CompareSpec(args.profile, c, link, w, r, policy, args.seed) for c in args.configs
-             for link in args.links for w in grid for r in args.rates for policy in policies]
-    lanes = [saturation.Lane(c, link, w, policy) for c in args.configs for link in args.sweep_links
-             for w in args.workloads if w in saturation.SWEEPS for policy in swept]
+    seed_list = args.seeds or [args.seed]
+    specs = [CompareSpec(args.profile, c, link, w, r, policy, seed) for c in args.configs
+             for link in args.links for w in grid for r in args.rates for seed in seed_list
+             for policy in policies]
+    lanes = [saturation.Lane(c, link, w, policy, seed) for c in args.configs for link in args.sweep_links
+             for w in args.workloads if w in saturation.SWEEPS for seed in seed_list for policy in swept]
     previous: dict[PointKey, PolicyPoint] = {}
     if args.reuse is not None:
         try:
             report = msgspec.json.decode(args.reuse.read_bytes(), type=CompareReport)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             return cli_error(f"--reuse {args.reuse}: {exc}")
-        if report.profile != args.profile or report.seeds != [args.seed]:
-            return cli_error(f"--reuse {args.reuse} was run with profile {report.profile} and "
-                             f"seeds {report.seeds}, not {args.profile} and [{args.seed}]")
+        if report.profile != args.profile:
+            return cli_error(f"--reuse {args.reuse} was run with profile {report.profile}, "
+                             f"not {args.profile}")
         previous = {_key(p): p for p in report.points}
     started = time.monotonic()
     with ProcessPoolExecutor(args.jobs) as pool:
         points = _run(pool, specs, previous, "sim compare")
-        points += _sweep(pool, lanes, args.profile, args.seed, previous)
+        points += _sweep(pool, lanes, args.profile, previous)
     wall = time.monotonic() - started
     reused = sum(_key(p) in previous for p in points)
-    report = compare(points, args.links, args.weights, args.profile, [args.seed])
+    report = compare(points, args.links, args.weights, args.profile, seed_list)
     text = markdown(report, "dynamo-ppd " + " ".join(sys.argv[1:]), wall, reused, args.out.name)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

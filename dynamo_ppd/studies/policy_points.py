@@ -42,8 +42,24 @@ class Replicates(msgspec.Struct, frozen=True):
     turn2_p50_tpot_s: list[float | None]
 
 
+class Predictions(msgspec.Struct, frozen=True, omit_defaults=True):
+    """PPD's own view of a point (`dynamo_ppd.policy.simulate.PredictionLog`): the mean
+    predicted decode-local and via-prefill TTFT/TPOT over its follow-up decisions, and the mean
+    observed TTFT/TPOT of the follow-ups that finished on each route (seconds; None where none)."""
+
+    decisions: int  # follow-up decisions
+    local_ttft_s: float | None = None
+    local_tpot_s: float | None = None
+    via_ttft_s: float | None = None
+    via_tpot_s: float | None = None
+    observed_local_ttft_s: float | None = None
+    observed_local_tpot_s: float | None = None
+    observed_via_ttft_s: float | None = None
+    observed_via_tpot_s: float | None = None
+
+
 class PolicyPoint(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One policy at one point: the figures the comparison reads."""
+    """One policy at one point and seed: the figures the comparison reads."""
 
     config: str
     link: str
@@ -67,6 +83,12 @@ class PolicyPoint(msgspec.Struct, frozen=True, omit_defaults=True):
     turn2_p99_tpot_s: float | None = None
     conversations: int = 0  # conversations sent: the sample count behind the intervals
     replicates: Replicates | None = None
+    seed: int = 0  # of arrivals, prompts, tokens and draws (`sim compare --seeds`)
+    # What pooling over seeds weighs a point's figures by (`seeds.pool`; 0: not recorded, as in
+    # reports before --seeds): requests sent (every turn) and follow-ups sent.
+    requests: int = 0
+    follow_ups: int = 0
+    predictions: Predictions | None = None  # PPD's (ppd@w) only
 
 
 def score(a: PolicyPoint, b: PolicyPoint, w_tpot: float, w_ttft: float = 1.0) -> float:

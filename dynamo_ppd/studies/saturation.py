@@ -114,10 +114,11 @@ class Lane(NamedTuple):
     link: str
     workload: str
     policy: str
+    seed: int = 0  # each seed's lane climbs the ladder to its own saturation
 
 
 def lane_of(point: PolicyPoint) -> Lane:
-    return Lane(point.config, point.link, point.workload, point.policy)
+    return Lane(point.config, point.link, point.workload, point.policy, point.seed)
 
 
 RunRung = Callable[[list[tuple[Lane, float]], int], list[PolicyPoint]]

@@ -10,6 +10,10 @@ number of conversations behind them. The verdict at a rate is the page's score a
 (turn-2+ mean TTFT and TPOT, the 95% success bar), so it agrees with the rest of the page,
 unless one side is at or past its saturation there and the other is not: then the side that
 keeps up wins (a policy that saturated at a lower rung has no point at this one).
+
+With several seeds (`sim compare --seeds`), the section and its PNGs read the first seed's
+points (the intervals pair one seed's conversations); the page's "Done-when check" and family
+table (`families`) pool every seed.
 """
 
 from __future__ import annotations
@@ -28,12 +32,10 @@ from .saturation import (
     lane_of,
     saturation_rates,
 )
+from .standings import OTHER_DEPLOYMENTS
 
 REPLICAS = "replicas"
 W_TPOT = 1.0  # the weights of the verdict: the paper's default (1, 1)
-# Policies that are not a routing of the P/D workers (`policies.OTHER_DEPLOYMENTS`; duplicated
-# here so that the report does not import the command).
-OTHER_DEPLOYMENTS = ("replicas", "hybrid")
 # What each sweep is, for the page (the generators' docstrings say it at length).
 DESCRIPTIONS = {
     "long-context": "the paper's Fig. 1 workload: turn 1 sends 10,000 tokens, 4 follow-ups append 100 "
@@ -97,9 +99,16 @@ def _ranges(rates: list[tuple[float, str]]) -> dict[str, list[str]]:
     return out
 
 
+def first_seed(points: Sequence[PolicyPoint]) -> list[PolicyPoint]:
+    """The sweep points of the lowest seed that ran."""
+    swept = [p for p in points if p.workload in SWEEPS]
+    seed = min((p.seed for p in swept), default=0)
+    return [p for p in swept if p.seed == seed]
+
+
 def section(points: Sequence[PolicyPoint], stem: str = "policies") -> list[str]:
     """The section's markdown lines (none without sweep points)."""
-    swept = [p for p in points if p.workload in SWEEPS]
+    swept = first_seed(points)
     ppd = ppd_policy(swept)
     if not swept or ppd is None:
         return []
@@ -108,10 +117,13 @@ def section(points: Sequence[PolicyPoint], stem: str = "policies") -> list[str]:
                    key=lambda k: (list(SWEEPS).index(k[0]), k[1], k[2]))
     sat = saturation_rates(swept)
     links = sorted({p.link for p in swept})
+    seeds = sorted({p.seed for p in points if p.workload in SWEEPS})
     lines = ["## Where disaggregation pays", "",
              "The grid above is the paper's small two-turn workloads, mostly at light load. The paper's case "
              "for P/D is long contexts and many turns near saturation, so `sim compare` also sweeps three "
-             f"such workloads up to saturation, on the {', '.join(links)} link:", ""]
+             f"such workloads up to saturation, on the {', '.join(links)} link"
+             + ("" if len(seeds) < 2 else f" (seed {swept[0].seed}'s runs of seeds {seeds}: the Done-when "
+                "check above pools them)") + ":", ""]
     lines += [f"- `{name}`: {DESCRIPTIONS.get(name, name)}; rates {sweep.rates()[0]:g} conv/s x "
               f"{sweep.step:.3g}^k up to {sweep.rates()[-1]:g}, {sweep.window_s:g} s of Poisson arrivals "
               f"per point (longer at light rates: at least ~{sweep.min_conversations} conversations), "
@@ -131,7 +143,7 @@ def section(points: Sequence[PolicyPoint], stem: str = "policies") -> list[str]:
               "score at w_tpot 1 (turn-2+ mean TTFT and TPOT, the success bar), unless one side is at or "
               "past its saturation and the other is not: then the side that keeps up wins.", ""]
     lines += _verdicts(lanes, by_key, ppd, sat)
-    lines += _saturation_table(lanes, sat, by_key, ppd)
+    lines += _saturation_table(lanes, sat, by_key, ppd, swept[0].seed)
     lines += _detail_table(lanes, by_key, ppd, sat)
     lines += [f"![P99 turn-2+ TTFT against throughput per GPU]({stem}-sweep-{links[0]}-p99-ttft.png)", "",
               f"![P50 turn-2+ TPOT against throughput per GPU]({stem}-sweep-{links[0]}-tpot.png)", ""]
@@ -171,7 +183,7 @@ def _sustained_cell(sat: dict[Lane, Saturation], by_key: dict, lane: Lane) -> st
     return s.text() + (f" ({tokens_per_sec_per_gpu(point):.0f})" if point is not None else "")
 
 
-def _saturation_table(lanes, sat: dict[Lane, Saturation], by_key, ppd: str) -> list[str]:
+def _saturation_table(lanes, sat: dict[Lane, Saturation], by_key, ppd: str, seed: int) -> list[str]:
     """Every policy's sustained rate, a column each: PPD, replicas, the fixed rules, the peers."""
     first = [ppd, REPLICAS, "x0", "x1"]
     ran = {lane.policy for lane in sat}
@@ -182,7 +194,7 @@ def _saturation_table(lanes, sat: dict[Lane, Saturation], by_key, ppd: str) -> l
              "| workload | config | " + " | ".join("PPD" if p == ppd else p for p in policies) + " |",
              "|---|---|" + "---|" * len(policies)]
     for workload, config, link in lanes:
-        cells = [_sustained_cell(sat, by_key, Lane(config, link, workload, p)) for p in policies]
+        cells = [_sustained_cell(sat, by_key, Lane(config, link, workload, p, seed)) for p in policies]
         lines.append(f"| {workload} | {config} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
@@ -240,7 +252,7 @@ def plot(points: Sequence[PolicyPoint], out_dir: Path, stem: str) -> list[Path]:
     """Per link, two PNGs (rows: workloads; columns: configurations): P99 turn-2+ TTFT and P50
     turn-2+ TPOT against output tokens/s per GPU, one line per policy up its ladder, a cross on
     the rung where it saturated."""
-    swept = [p for p in points if p.workload in SWEEPS]
+    swept = first_seed(points)
     ppd = ppd_policy(swept)
     if not swept or ppd is None:
         return []
@@ -275,7 +287,7 @@ def plot(points: Sequence[PolicyPoint], out_dir: Path, stem: str) -> list[Path]:
                         xs = [tokens_per_sec_per_gpu(p) for p in mine]
                         ys = [1e3 * getattr(p, field) for p in mine]
                         ax.plot(xs, ys, line, marker="o", color=color, lw=width, ms=3, label=policy)
-                        s = sat.get(Lane(config, link, workload, policy))
+                        s = sat.get(Lane(config, link, workload, policy, mine[0].seed))
                         if s is not None and s.saturated_at is not None:
                             ax.plot(xs[-1], ys[-1], "x", color=color, ms=9, mew=2)
                     ax.set_yscale("log")
