@@ -2,8 +2,9 @@
 
 `tests/data/sim_compare_7548310.json` holds `sim compare`'s figures for every policy at four
 points (grid and sweep workloads, all three configurations, both links), each policy simulated
-alone, as the code stood before runs were shared and token ids were drawn in C. Token ids and
-block ids are only identities, so the figures must come out exactly the same.
+alone, as the code stood before runs were shared and token ids were drawn in C (the ppd@ policies'
+figures regenerated the same way, one policy alone, when the decision changed: issue 40). Token ids
+and block ids are only identities, so the figures must come out exactly the same.
 """
 
 from __future__ import annotations
