@@ -179,8 +179,8 @@ async def routed_by_router(args: list[str], first: list[int], answer: list[int],
     await router.record_turn(turn1, first, answer)
     hold(router, IDS["P1"], first)
     hold(router, IDS["D0"], first + answer)
-    router.loads.inflight[IDS["D0"]] += HOT
-    router.loads.context_tokens[IDS["D0"]] += HOT * 64
+    for _ in range(HOT):  # what it counted when it routed them (their max_tokens 4000)
+        router.loads.add_decode(IDS["D0"], 64, 4000)
     for name, worker in IDS.items():
         router.reports[worker] = report_of(cluster.view.load(name))
     router.rate.record(time.monotonic())  # as `generate` does before planning
@@ -249,8 +249,7 @@ def test_router_and_simulator_count_what_they_routed_alike_and_place_a_new_conve
                        clients={"prefill": FakeClient([ids["P0"]], "prefill"),
                                 "decode": FakeClient([ids["D0"], ids["D1"]], "decode")})
     for name, prompt in (("D0", 64), ("D1", 150)):  # what the router counted when it routed a and b
-        router.loads.inflight[ids[name]] += 1
-        router.loads.context_tokens[ids[name]] += prompt
+        router.loads.add_decode(ids[name], prompt, 4000)
     for name, worker in ids.items():
         router.reports[worker] = report_of(view.load(name))
     state = cluster_state(view, [])
@@ -272,6 +271,6 @@ def test_router_and_simulator_count_what_they_routed_alike_and_place_a_new_conve
     send("c", new, ViaPrefill("P0", "D1"))
     state = cluster_state(view, [])
     assert state.routed["P0"] == Routed(prefill_tokens=len(new))
-    assert state.routed["D1"] == Routed(requests=2, context_tokens=150 + len(new))
+    assert state.routed["D1"] == Routed(requests=2, context_tokens=150 + len(new), inverse_outputs=2 / 4000)
     cluster.run()
     assert all(view.inflight_prompt_tokens(w) == 0 and view.inflight(w) == 0 for w in ids)

@@ -210,12 +210,11 @@ class Picker:
         """Count the turn on its workers until it is predicted to end (see the module docstring)."""
         loads, decode, prompt = self.routing.loads, turn.decode, turn.prompt_tokens
         prefill = turn.prefill if turn.decision.route is Route.VIA_PREFILL else None
-        loads.inflight[decode] += 1
-        loads.context_tokens[decode] += prompt
+        outputs = max_tokens or self.routing.config.default_max_tokens
+        loads.add_decode(decode, prompt, outputs)
         if prefill is not None:
             loads.prefill_tokens[prefill] += prompt
         prediction = (turn.decision.via_prefill if prefill is not None else turn.decision.local)
-        outputs = max_tokens or self.routing.config.default_max_tokens
         if prediction is not None:
             hold_s = (prediction.ttft_s + prediction.tpot_s * outputs) / self.routing.config.speedup
             prefill_s = prediction.ttft_s / self.routing.config.speedup
@@ -224,8 +223,7 @@ class Picker:
         loop = asyncio.get_running_loop()
 
         def release_decode() -> None:
-            loads.inflight[decode] = max(0, loads.inflight[decode] - 1)
-            loads.context_tokens[decode] = max(0, loads.context_tokens[decode] - prompt)
+            loads.add_decode(decode, prompt, outputs, -1)
 
         loop.call_later(min(hold_s, HOLD_MAX_S), release_decode)
         if prefill is not None:

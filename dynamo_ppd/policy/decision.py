@@ -162,8 +162,14 @@ class Policy:
                 # an uncalibrated nominal would add it again (flipping cells with a small margin).
                 n_local, n_via = nominal_costs
                 n_local_p, n_via_p = self._calibrated(n_local, n_via, bucket)
-                s += live - self._score(n_local, n_via_p, n_local_p, ref)
+                correction = live - self._score(n_local, n_via_p, n_local_p, ref)
+                s += correction
                 reason = "table_corrected"
+                # The measured score is an outcome, not a prediction: only the correction carries
+                # the model's error (as large, relative to it, as to the live score).
+                margin = min(1.0, margin / max(abs(live), 1e-9)) * abs(correction)
+            else:
+                margin = 0.0
         else:
             s = live
         # Going through a prefill worker moves the whole context's KV; it must be predicted to
@@ -295,13 +301,16 @@ class Policy:
         # counting it made every live follow-up look slower through P than the cell's nominal
         # one, and the online correction then flipped cells that were measured decode-local.
         on_prefill = max(0, cached - context.first_output_tokens)
+        # The cell's batch: its conversations' first and second turns, about half each.
+        batch = round(seen.decode_batch)
+        inverse = batch / 2 * (1 / max(1, context.first_output_tokens) + 1 / max(1, workload.output_tokens))
         return RequestFeatures(
             decision_key=f"{key}", turn=2, prompt_tokens=context.representative_tokens,
             cached_on_decode=cached, cached_on_prefill=on_prefill,
             expected_output_tokens=workload.output_tokens,
             has_session_decode=True,
-            decode_load=WorkerLoad(decode_requests=round(seen.decode_batch),
-                                   decode_kv_tokens=round(seen.decode_kv_tokens)),
+            decode_load=WorkerLoad(inflight_requests=batch, decode_requests=batch,
+                                   decode_kv_tokens=round(seen.decode_kv_tokens), inverse_outputs=inverse),
             prefill_load=WorkerLoad(pending_prefill_tokens=round(cell.via_prefill.conditions.prefill_queue_tokens)),
             qps=key[2])
 

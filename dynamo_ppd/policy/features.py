@@ -14,6 +14,7 @@ class WorkerLoad:
     pending_prefill_tokens: int = 0  # prompt tokens routed there and not yet prefilled
     decode_requests: int = 0  # sequences decoding there (as last reported)
     decode_kv_tokens: int = 0  # their total context
+    inverse_outputs: float = 0.0  # sum of 1 / reply length of the requests this router has there
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,9 @@ class Routed:
     requests: int = 0  # requests in flight to the worker
     prefill_tokens: int = 0  # prompt tokens whose prefill leg there has not ended
     context_tokens: int = 0  # the prompt tokens of the requests in flight there
+    # The sum of 1 / max_tokens of the requests in flight there: a second's stall of their
+    # decoding adds that much to the sum of their TPOTs (`predictor`: who pays an append).
+    inverse_outputs: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,11 @@ append-prefill inside its running batch.
   prompt tokens already queued on that worker, and the append's own iterations.
 - TPOT: one decode step of the batch with this sequence in it. The request does not pay its own
   append in TPOT: its first token comes out of the append's last iteration.
-- Others: the append's iterations are longer than plain decode steps by ``extra``; each of the
-  ``B`` sequences decoding there is delayed by ``extra`` once, its TPOT by ``extra`` over its
-  output tokens. With nobody else on the worker nobody pays; on a busy worker everybody does.
+- Others: the append's iterations are longer than plain decode steps by ``extra``; each sequence
+  decoding there is delayed by ``extra`` once, its TPOT by ``extra`` over its reply's tokens: the
+  sum is ``extra`` times the sum of 1 / reply length over the batch (`WorkerLoad.inverse_outputs`,
+  the router's count of what it routed there). With nobody else on the worker nobody pays; a batch
+  of short replies pays much more than one of long ones.
 
 Via prefill (x=0): a prefill worker computes the prompt tokens it does not hold (it holds what it
 computed before: after decode-local turns, turn 1's prompt only), after the tokens queued on it;
@@ -79,7 +81,7 @@ class ProfilePredictor:
 
     def costs(self, f: RequestFeatures) -> tuple[RouteCosts, RouteCosts]:
         """(decode-local, via-prefill) costs of a follow-up turn."""
-        others_out = max(1, f.expected_output_tokens)  # the batch's replies, as long as this one's
+        others_out = max(1, f.expected_output_tokens)  # a reply the router does not know: as this one
 
         load = f.decode_load
         append, extra = self._prefill_s(max(1, f.new_tokens), f.cached_on_decode, load)
@@ -89,7 +91,7 @@ class ProfilePredictor:
             own=Prediction(ttft_s=self.decode_local_s + self._decode_step_s(load, f.prompt_tokens) / 2
                            + self._queue_s(load) + append,
                            tpot_s=self._decode_step_s(load, f.prompt_tokens)),
-            others_tpot_s=load.decode_requests * extra / others_out)
+            others_tpot_s=extra * _inverse_outputs(load, others_out))
 
         target = f.decode_load
         if f.best_decode_load is not None and moves_to_best(f.decode_load, f.best_decode_load):
@@ -116,3 +118,12 @@ class ProfilePredictor:
         read an idle prefill worker as several ms faster than the cell it was measured in."""
         return load.pending_prefill_tokens * self._prefill_s_per_token
 
+
+def _inverse_outputs(load: WorkerLoad, default_output: int) -> float:
+    """The sum of 1 / reply length over the sequences decoding on a worker: this router's own
+    requests there as it routed them, and any others the worker reports (another router's) as
+    long as the mean of its own, or ``default_output`` without any."""
+    others = max(0, load.decode_requests - load.inflight_requests)
+    if load.inflight_requests and load.inverse_outputs:
+        return load.inverse_outputs * (1 + others / load.inflight_requests)
+    return load.decode_requests / default_output

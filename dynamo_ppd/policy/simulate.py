@@ -45,7 +45,8 @@ def worker_load(view: ClusterView, worker: str | None, load: LoadSnapshot | None
     return WorkerLoad(inflight_requests=own.requests,
                       pending_prefill_tokens=max(own.prefill_tokens, reported_prefill),
                       decode_requests=max(own.requests, reported_decode),
-                      decode_kv_tokens=max(own.context_tokens, reported_kv))
+                      decode_kv_tokens=max(own.context_tokens, reported_kv),
+                      inverse_outputs=own.inverse_outputs)
 
 
 def routed(view: ClusterView, worker: str) -> Routed:
@@ -58,7 +59,8 @@ def routed(view: ClusterView, worker: str) -> Routed:
     prompts = view.inflight_prompt_tokens(worker)
     if worker in view.prefill_workers:
         return Routed(requests=0, prefill_tokens=prompts)  # the live router counts no requests on P
-    return Routed(requests=view.inflight(worker), context_tokens=prompts)
+    return Routed(requests=view.inflight(worker), context_tokens=prompts,
+                  inverse_outputs=view.inflight_inverse_outputs(worker))
 
 
 def cluster_state(view: ClusterView, tokens: list[int], session: str | None = None) -> ClusterState[str]:

@@ -138,8 +138,9 @@ class PpdRouter(Routing):
         attempt_request = request
         for attempt in range(MAX_ATTEMPTS):
             worker = plan.decode
-            self.loads.inflight[worker] += 1
-            self.loads.context_tokens[worker] += plan.prompt_tokens
+            stop = request.get("stop_conditions") or {}
+            outputs = stop.get("max_tokens") or self.config.default_max_tokens
+            self.loads.add_decode(worker, plan.prompt_tokens, outputs)
             try:
                 async for chunk in self._stream(plan, attempt_request, context):
                     if before_continuation:
@@ -169,8 +170,7 @@ class PpdRouter(Routing):
                                 exc.worker, exc)
                 self._rehome(plan, failed, attempt_request["token_ids"])
             finally:
-                self.loads.inflight[worker] -= 1
-                self.loads.context_tokens[worker] -= plan.prompt_tokens
+                self.loads.add_decode(worker, plan.prompt_tokens, outputs, -1)
 
     def _stream(self, plan: Turn, request: dict, context) -> AsyncIterator[dict]:
         route = plan.decision.route

@@ -61,6 +61,14 @@ class Loads:
         self.inflight: dict[int, int] = defaultdict(int)
         self.prefill_tokens: dict[int, int] = defaultdict(int)
         self.context_tokens: dict[int, int] = defaultdict(int)
+        # The sum of 1 / max_tokens of the requests in flight (who pays a stall: `predictor`).
+        self.inverse_outputs: dict[int, float] = defaultdict(float)
+
+    def add_decode(self, worker: int, prompt_tokens: int, max_tokens: int, sign: int = 1) -> None:
+        """Count a request on a decode worker (``sign`` -1: its end)."""
+        self.inflight[worker] = max(0, self.inflight[worker] + sign)
+        self.context_tokens[worker] = max(0, self.context_tokens[worker] + sign * prompt_tokens)
+        self.inverse_outputs[worker] = max(0.0, self.inverse_outputs[worker] + sign / max(1, max_tokens))
 
     def of(self, worker: int | None, report: dict | None = None) -> WorkerLoad:
         """This router's own count, or what the worker last reported in its forward-pass metrics
@@ -76,12 +84,14 @@ class Loads:
         return WorkerLoad(inflight_requests=self.inflight[worker],
                           pending_prefill_tokens=max(self.prefill_tokens[worker], reported_prefill),
                           decode_requests=max(self.inflight[worker], reported_decode),
-                          decode_kv_tokens=max(self.context_tokens[worker], reported_kv))
+                          decode_kv_tokens=max(self.context_tokens[worker], reported_kv),
+                          inverse_outputs=self.inverse_outputs[worker])
 
     def routed(self, worker: int) -> placement.Routed:
         """This router's own counts, which placement ranks workers by."""
         return placement.Routed(requests=self.inflight[worker], prefill_tokens=self.prefill_tokens[worker],
-                                context_tokens=self.context_tokens[worker])
+                                context_tokens=self.context_tokens[worker],
+                                inverse_outputs=self.inverse_outputs[worker])
 
 
 class Routing:

@@ -85,6 +85,7 @@ class Worker:
     wake_at: float = float("inf")
     inflight: int = 0  # requests routed here and not done with it yet
     inflight_prompt_tokens: int = 0  # their prompts' tokens (the live router's own count, `Routed`)
+    inflight_inverse_outputs: float = 0.0  # the sum of 1 / their max_tokens (`Routed`)
 
 
 @dataclass(eq=False)
@@ -222,6 +223,7 @@ class Cluster:
             self._submit(prefill, request.prefill, stack.request_overhead_s)
             decode.inflight += 1  # counted from now: the router has committed to it
             decode.inflight_prompt_tokens += len(request.prompt)
+            decode.inflight_inverse_outputs += 1 / max(1, request.max_tokens)
         elif isinstance(assignment, (DecodeLocal, Replica)):
             delay_s = stack.request_overhead_s
             if isinstance(assignment, DecodeLocal):
@@ -259,6 +261,7 @@ class Cluster:
         in-flight requests from now: the router has committed to it)."""
         worker.inflight += 1
         worker.inflight_prompt_tokens += len(request.prompt)
+        worker.inflight_inverse_outputs += 1 / max(1, request.max_tokens)
         if delay_s > 0:
             self.call_at(self.now + delay_s, self._arrive, worker, request)
         else:
@@ -314,6 +317,8 @@ class Cluster:
                 continue  # (background load in experiments), not routed through the cluster
             worker.inflight -= 1
             worker.inflight_prompt_tokens -= len(request.prompt)
+            worker.inflight_inverse_outputs = max(0.0, worker.inflight_inverse_outputs
+                                                  - 1 / max(1, request.max_tokens))
             if worker.role is Role.PREFILL:
                 self._hand_off(worker, request, out)
             else:
@@ -376,6 +381,11 @@ class ClusterView:
         """The prompt tokens of those requests (on a prefill worker: of its prefill legs), as the
         live router counts what it routed (`dynamo_ppd.policy.placement.Routed`)."""
         return self._get(worker_id).inflight_prompt_tokens
+
+    def inflight_inverse_outputs(self, worker_id: str) -> float:
+        """The sum of 1 / max_tokens over those requests (how much a stall of their decoding
+        adds to their TPOTs, per second of stall)."""
+        return self._get(worker_id).inflight_inverse_outputs
 
     def cached_prefix_tokens(self, worker_id: str, tokens: list[int]) -> int:
         """Leading tokens of ``tokens`` whose KV blocks the worker holds (full blocks only)."""
