@@ -47,7 +47,9 @@ Per request, one `Process` stream:
    configured ones, body modes are taken as given. What this gateway acts on is the response
    body mode: STREAMED sends each body piece to the picker as Envoy's STREAMED mode does, one
    ``response_body`` HttpBody per piece (``end_of_stream`` on the last; an empty last one when the
-   body's end carries no data), each held from the client until the picker answers it; its
+   body's end carries no data), each held from the client until the picker answers it (Envoy
+   sends the next piece before that answer is in; here it waits its turn, which is the same
+   while the picker answers faster than the pieces come); its
    answer's mutations are not applied (the picker makes none), an immediate response there is
    ignored. NONE, or no override, sends no body. BUFFERED and the other modes are not played:
    no body is sent (logged once). Envoy's newest filter also ignores every override while its
