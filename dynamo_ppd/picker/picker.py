@@ -196,7 +196,7 @@ class Picker:
         follow-up the policy learns from, drawn with probability ``observe_share`` (0: none),
         or every one when the gateway streams every answer's body through the picker anyway
         (``every_body``: its response body mode is FULL_DUPLEX_STREAMED, GAIE's; the picker
-        echoes each chunk whether it watches or not, and reading one costs about a microsecond).
+        echoes each chunk whether it watches or not, and reading one costs ~2 us).
         Its watch, else None. ``picked_at``: when the route went out (``time.monotonic()``)."""
         turn = pick.turn
         if (status != 200 or turn is None or not self.observe_share or "event-stream" not in content_type
