@@ -91,7 +91,8 @@ def test_a_gain_within_the_predictions_error_stays_local_and_a_proven_model_move
     policy = Policy(PolicyConfig(Mode.PPD, w_tpot=3.0), ProfilePredictor(PROFILE))
 
     def at(batch: int):
-        return policy.decide(follow_up(prompt=12_000, new=1_500, out=200, batch=batch, on_prefill=11_000), 10_500)
+        features = follow_up(prompt=12_000, new=1_500, out=200, batch=batch, on_prefill=11_000)
+        return policy.decide(features, 10_500)
 
     # The first decode batch at which going through prefill is predicted to pay at all.
     thin = next(d for d in map(at, range(0, 200, 2)) if d.score is not None and d.score < 0)

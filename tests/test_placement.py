@@ -69,7 +69,8 @@ def test_decode_goes_to_the_least_active_kv_plus_requests_then_the_least_held_kv
     assert pick_decode(["D0", "D1", "D2"], state(routed=routed)) == "D0"  # 4+2 < 16+1 < 282+1
     assert pick_decode(["D1", "D0"], state()) == "D0"
     # An idle fleet: new sessions go where the least history is held, not all to the lowest id.
-    idle = ClusterState(["P0"], ["D0", "D1", "D2"], {}, {}, {}, resident_tokens={"D0": 6400, "D1": 0, "D2": 320})
+    idle = ClusterState(["P0"], ["D0", "D1", "D2"], {}, {}, {},
+                        resident_tokens={"D0": 6400, "D1": 0, "D2": 320})
     assert pick_decode(["D0", "D1", "D2"], idle) == "D1"
     with pytest.raises(ValueError, match="no decode worker"):
         pick_decode([], state())
