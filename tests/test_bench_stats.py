@@ -156,14 +156,16 @@ def test_model_clock_rate_and_policy_read_dilated_wall_times_in_model_seconds():
 
     # A follow-up predicted at 20 ms TTFT / 6 ms TPOT, seen at 4x that on the wall clock of
     # workers running at --speedup 0.25: on the model's clock the prediction was right.
-    decision = Decision(Route.DECODE_LOCAL, "test", raw=Prediction(0.020, 0.006))
+    predicted = Prediction(0.020, 0.006)
+    decision = Decision(Route.DECODE_LOCAL, "test", local=predicted, raw=predicted, bucket="c0-a0-l0")
     dilated = ModelClockPolicy(PolicyConfig(Mode.PPD), ProfilePredictor(load_profile()))
     dilated.speedup = 0.25
     plain = Policy(PolicyConfig(Mode.PPD), ProfilePredictor(load_profile()))
     for policy in (dilated, plain):
         policy.observe(decision, 0.080, 0.024)
-    assert dilated.calibration.ratios[Route.DECODE_LOCAL] == pytest.approx([1.0, 1.0])
-    assert plain.calibration.ratios[Route.DECODE_LOCAL][0] > 1.2  # it would learn the dilation
+    learned = dilated.calibration.routes[Route.DECODE_LOCAL.value]
+    assert (learned.ttft_ratio, learned.tpot_ratio) == pytest.approx((1.0, 1.0))
+    assert plain.calibration.routes[Route.DECODE_LOCAL.value].ttft_ratio > 1.2  # it would learn the dilation
 
 
 def test_versus_pairs_the_points_two_runs_share():
