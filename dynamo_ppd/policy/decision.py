@@ -92,7 +92,9 @@ class PolicyConfig:
     # A follow-up is decode-local only if the decode worker holds at least this share of the
     # history it sent before (less means it was evicted: the turn is a full prefill again).
     min_resident_fraction: float = 0.5
-    # Experiment switches (being measured; see docs/decisions.md).
+    # Ablations of the decision (docs/decisions.md, "Measured"): "fleet" or "request" (the
+    # paper's per-request denominators); the others' TPOT charge; the error margin; where the
+    # table decides: "grid" (near its classes), "all" (every request, as before issue 40), "none".
     normalize: str = "fleet"
     fleet_tpot: bool = True
     margin: bool = True
