@@ -62,11 +62,10 @@ def test_prefill_weighs_the_tokens_a_worker_holds_against_its_queue():
     assert pick_prefill([], 3000, state()) == (None, 0)
 
 
-def test_decode_goes_to_the_least_active_kv_plus_requests_then_the_least_held_kv():
-    # Active load in Dynamo's KV-router units: blocks of the prompts in flight plus requests.
+def test_decode_goes_to_the_fewest_requests_then_the_least_context_then_the_least_held_kv():
     routed = {"D0": Routed(requests=2, context_tokens=100), "D1": Routed(requests=1, context_tokens=9000),
               "D2": Routed(requests=1, context_tokens=500)}
-    assert pick_decode(["D0", "D1", "D2"], state(routed=routed)) == "D0"  # 4+2 < 16+1 < 282+1
+    assert pick_decode(["D0", "D1", "D2"], state(routed=routed)) == "D2"
     assert pick_decode(["D1", "D0"], state()) == "D0"
     # An idle fleet: new sessions go where the least history is held, not all to the lowest id.
     idle = ClusterState(["P0"], ["D0", "D1", "D2"], {}, {}, {},

@@ -56,7 +56,6 @@ class ClusterState(Generic[W]):
     # Tokens of KV each worker holds in all (its sessions' histories, idle or not): where new
     # sessions go when the active load ties (an idle fleet), so histories spread out.
     resident_tokens: Mapping[W, int] = field(default_factory=dict)
-    block_tokens: int = 32  # tokens per KV block: the unit Dynamo's KV router weighs load in
 
     def load(self, worker: W | None) -> WorkerLoad:
         return self.loads.get(worker, WorkerLoad()) if worker is not None else WorkerLoad()
@@ -106,24 +105,23 @@ def pick_prefill(candidates: Sequence[W], prompt_tokens: int, state: ClusterStat
 
 def pick_decode(candidates: Sequence[W], state: ClusterState[W]) -> W:
     """A new conversation's decode worker (also a via-prefill follow-up's if its own is hot): the
-    least active load, KV blocks of the prompts in flight there plus requests (Dynamo's KV
-    router's decode load: `kv_active_blocks + inflight`), then the least KV held in all (the
-    sessions that live there, idle or not), then the lowest id (never by hash)."""
+    fewest requests in flight (this router's count or the worker's report, the larger), then the
+    least context routed there, then the least KV held in all (the sessions that live there, idle
+    or not), then the lowest id (never by hash)."""
     if not candidates:
         raise ValueError("no decode worker to place the turn on")
 
-    def key(worker: W) -> tuple[int, int, W]:
+    def key(worker: W) -> tuple[int, int, int, W]:
         # Requests: what this router sent there or what the worker reports running, whichever is
         # larger (as `Loads.of` merges them), so that work it did not send (another replica's, a
         # background job's) keeps new conversations away too. Context: the prompts it routed
         # there, not the worker's KV, which grows as it answers (ranking by that sent the
         # simulator's conversations elsewhere than the live router's, docs/bench/dilation.md).
-        # Ranked by requests alone, an idle fleet (nothing in flight) sent every new session to
-        # the lowest id, and their follow-ups later decoded in one crowded batch.
+        # KV held: on an idle fleet (nothing in flight) the lowest id took every new session,
+        # and their follow-ups later decoded in one crowded batch.
         routed = state.routed_to(worker)
-        requests = max(routed.requests, state.load(worker).decode_requests)
-        active = -(-routed.context_tokens // state.block_tokens) + requests
-        return active, state.resident_tokens.get(worker, 0), worker
+        return (max(routed.requests, state.load(worker).decode_requests), routed.context_tokens,
+                state.resident_tokens.get(worker, 0), worker)
 
     return min(candidates, key=key)
 

@@ -74,8 +74,7 @@ def cluster_state(view: ClusterView, tokens: list[int], session: str | None = No
     cached = {worker: view.cached_prefix_tokens(worker, tokens) for worker in holders}
     # The KV each decode worker holds (the live router counts it from KV events, `Residency`).
     resident = {worker: view.load(worker).kv_used_blocks * view.block_size for worker in view.decode_workers}
-    return ClusterState(view.prefill_workers, view.decode_workers, loads, counts, cached, resident,
-                        view.block_size)
+    return ClusterState(view.prefill_workers, view.decode_workers, loads, counts, cached, resident)
 
 
 class PredictionLog:

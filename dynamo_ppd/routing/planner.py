@@ -67,7 +67,6 @@ class WorkersView:
     routed: Mapping[int, placement.Routed] = field(default_factory=dict)  # this router's own counts
     # KV tokens each decode worker holds in all (the residency index): spreads new sessions.
     resident_tokens: Mapping[int, int] = field(default_factory=dict)
-    block_tokens: int = 32
 
     def cached(self, worker: int) -> int:
         return self.cached_tokens.get(worker, 0)
@@ -179,7 +178,7 @@ def _placement_state(cluster: WorkersView, decode: Sequence[int] | None = None
                      ) -> placement.ClusterState[int]:
     return placement.ClusterState(cluster.prefill, cluster.decode if decode is None else decode,
                                   cluster.loads, cluster.routed, cluster.cached_tokens,
-                                  cluster.resident_tokens, cluster.block_tokens)
+                                  cluster.resident_tokens)
 
 
 def served_home(record: SessionRecord, cluster: WorkersView) -> int | None:

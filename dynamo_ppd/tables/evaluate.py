@@ -78,12 +78,14 @@ def prefill_heavy_workload(rate: float, seconds: float, seed: int) -> list[Conve
 
 def _hot_decode(cluster: Cluster, start_s: float, sequences: int = 64, context: int = 3000,
                 output: int = 1500) -> None:
-    """Long decodes land on the first decode worker at ``start_s`` (its TPOT goes from ~7 ms to
-    ~15 ms; they fit its KV cache, so it stays up, just slow)."""
-    worker = cluster.view.decode_workers[0]
+    """Long decodes land at ``start_s`` on the decode worker that holds the most conversations
+    then (its TPOT goes from ~7 ms to ~15 ms; they fit its KV cache, so it stays up, just slow):
+    the node whose heat a router must notice, wherever its placement put the sessions."""
     rng = random.Random(7)
 
     def load() -> None:
+        homes = list(cluster.sessions.values())
+        worker = max(cluster.view.decode_workers, key=lambda w: (homes.count(w), w))
         for i in range(sequences):
             prompt = [rng.randrange(2000, 8000) for _ in range(context)]
             cluster.submit_background(worker, EngineRequest(f"background-{i}", prompt, output))
