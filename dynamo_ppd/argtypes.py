@@ -27,6 +27,17 @@ def _positive(text: str, parse: Callable[[str], Any], what: str) -> Any:
     return value
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a number from 0 to 1 (a share, a probability)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number from 0 to 1") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside 0-1")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     """An argparse type: a positive number of seconds."""
     return _positive(text, float, "a number of seconds")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from ..argtypes import fraction
 from ..routing.args import RoutingConfig, build_parser, config_from
 from .frontends import split_endpoint
 from .outcomes import DEFAULT_OBSERVE_SHARE
@@ -25,17 +26,6 @@ class PickerConfig:
     timings: bool = False  # each route carries the picker's own time per stage (dynamic metadata)
     send_token_ids: bool = True  # the body carries the picker's token ids (nvext.token_data)
     observe_share: float = DEFAULT_OBSERVE_SHARE  # follow-ups' answers watched for TTFT and TPOT
-
-
-def share(text: str) -> float:
-    """A probability: a number from 0 to 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number from 0 to 1") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is outside 0-1 (0: watch none, 1: every answer)")
-    return value
 
 
 def _endpoint_list(text: str) -> tuple[str, ...]:
@@ -86,7 +76,7 @@ def build_picker_parser() -> argparse.ArgumentParser:
                    help="send the prompt's token ids to the frontend in the body's "
                    "nvext.token_data, so Dynamo's frontend does not tokenize the prompt a second "
                    "time (as Dynamo's own EPP does); --no-token-ids forwards the client's body as is")
-    g.add_argument("--observe-share", type=share, default=DEFAULT_OBSERVE_SHARE,
+    g.add_argument("--observe-share", type=fraction, default=DEFAULT_OBSERVE_SHARE,
                    help="share of the follow-ups' streamed answers the picker watches for their TTFT "
                    "and TPOT, which the policy learns from (online correction, "
                    "ppd_ttft_prediction_ratio, ppd_outcomes_observed_total), as the relay router "

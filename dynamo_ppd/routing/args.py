@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..argtypes import positive_int
+from ..argtypes import fraction, positive_int
 from ..engine.profile import DEFAULT_PROFILE
 from ..policy.decision import Mode
 from .sessions import DEFAULT_MAX_SESSIONS
@@ -58,13 +58,6 @@ def _weights(text: str) -> tuple[float, float]:
     return weights.w_ttft, weights.w_tpot
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not within [0, 1]")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dynamo_ppd.relay",
@@ -76,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pd: every turn via prefill (x=0); local: follow-ups on their decode worker "
                    "(x=1); fraction: a fixed share local; ppd: the score over predicted TTFT/TPOT; "
                    "replica: aggregated workers only")
-    p.add_argument("--local-fraction", type=_fraction, default=0.5,
+    p.add_argument("--local-fraction", type=fraction, default=0.5,
                    help="share of follow-ups kept decode-local in fraction mode")
     p.add_argument("--weights", type=_weights, default=(1.0, 1.0),
                    help="W_TTFT,W_TPOT of the ppd score (presets: 1,1 balanced; 2,1; 1,2)")
@@ -109,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=positive_int, default=DEFAULT_MAX_SESSIONS,
                    help="sessions kept (locally and in etcd); past it the least recently used go "
                    "(ppd_sessions_evicted_total)")
-    p.add_argument("--min-resident-fraction", type=_fraction, default=0.5,
+    p.add_argument("--min-resident-fraction", type=fraction, default=0.5,
                    help="a follow-up is decode-local only if its decode worker still holds this "
                    "share of the history; less means evicted, and the turn goes via prefill")
     p.add_argument("--etcd-url", default=os.environ.get("ETCD_ENDPOINTS", "http://127.0.0.1:2379").split(",")[0],
