@@ -31,7 +31,7 @@ from typing import Protocol
 from .features import RequestFeatures, WorkerLoad, moves_to_best
 from .learning import Calibration, FleetMeans, bucket_of
 from .predictor import ProfilePredictor, RouteCosts
-from .score import Prediction
+from .score import Prediction, score
 from .table import PpdTable, Weights
 
 __all__ = ["Calibration", "Decision", "Mode", "Observed", "Policy", "PolicyConfig", "ProfilePredictor",
@@ -153,8 +153,7 @@ class Policy:
             (cell_local, cell_via), nominal_costs = self._cell(key)
             # The cell's measured means, over the same denominators as this request's score: the
             # measured TPOTs already hold what the cell's appends cost the others.
-            measured = (self.config.w_ttft * (cell_via.ttft_s - cell_local.ttft_s) / ref.ttft_s
-                        - self.config.w_tpot * (cell_local.tpot_s - cell_via.tpot_s) / ref.tpot_s)
+            measured = score(cell_local, cell_via, self.config.w_ttft, self.config.w_tpot, ref)
             s = measured
             reason = "table"
             if self.online_correction:
@@ -204,13 +203,12 @@ class Policy:
     def _score(self, local_c: RouteCosts, via: Prediction, local: Prediction, ref: Prediction) -> float:
         """The score priced as the fleet pays it: the TTFT this request gains or loses, and the
         TPOT it and the sequences its append delays pay (`predictor`), each over ``ref``."""
-        w_ttft, w_tpot = self.config.w_ttft, self.config.w_tpot
-        # The others' delay is the model's; it is corrected as this worker's TPOT is.
-        others = local_c.others_tpot_s * (local.tpot_s / local_c.own.tpot_s if local_c.own.tpot_s else 1.0)
-        if not self.config.fleet_tpot:
-            others = 0.0
-        return (w_ttft * (via.ttft_s - local.ttft_s) / ref.ttft_s
-                - w_tpot * (local.tpot_s + others - via.tpot_s) / ref.tpot_s)
+        others = 0.0
+        if self.config.fleet_tpot and local_c.own.tpot_s:
+            # The others' delay is the model's; it is corrected as this worker's TPOT is.
+            others = local_c.others_tpot_s * local.tpot_s / local_c.own.tpot_s
+        charged = Prediction(local.ttft_s, local.tpot_s + others)
+        return score(charged, via, self.config.w_ttft, self.config.w_tpot, ref)
 
     def _margin(self, local: Prediction, via: Prediction, bucket: str, ref: Prediction) -> float:
         """The score's uncertainty from the predictions' measured errors (root sum of squares of
@@ -231,10 +229,7 @@ class Policy:
             return True
         if self.config.table_scope == "none":
             return False
-        assert self.table is not None
-        grid = self.table.grid
-        largest_context = max(c.representative_tokens for c in grid.context_classes)
-        largest_append = max(w.input_tokens for w in grid.workload_classes)
+        largest_context, largest_append = self._grid_reach
         return f.prompt_tokens <= 2 * largest_context and f.new_tokens <= 2 * largest_append
 
     def set_table(self, table: PpdTable | None) -> None:
@@ -246,6 +241,9 @@ class Policy:
                                tuple[tuple[Prediction, Prediction], tuple[RouteCosts, RouteCosts]]] = {}
         self._workload_points = ([(w.name, math.log(w.input_tokens), math.log(w.output_tokens))
                                   for w in table.grid.workload_classes] if table else [])
+        # The largest context and append the table's classes stand for (`_within_grid`).
+        self._grid_reach = ((max(c.representative_tokens for c in table.grid.context_classes),
+                             max(w.input_tokens for w in table.grid.workload_classes)) if table else (0, 0))
 
     def _cell(self, key: tuple[str, str, float]) -> tuple[tuple[Prediction, Prediction],
                                                           tuple[RouteCosts, RouteCosts]]:

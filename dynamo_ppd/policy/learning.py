@@ -109,13 +109,12 @@ class Calibration:
             return
         ttft_ratio = _bounded(ttft_s / raw.ttft_s)
         tpot_ratio = _bounded(tpot_s / raw.tpot_s) if tpot_s and raw.tpot_s > 0 else None
-        ttft_error = abs(ttft_s / used.ttft_s - 1)
-        tpot_error = abs(tpot_s / used.tpot_s - 1) if tpot_s and used.tpot_s > 0 else None
+        ttft_error = min(CAP, abs(ttft_s / used.ttft_s - 1))
+        tpot_error = min(CAP, abs(tpot_s / used.tpot_s - 1)) if tpot_s and used.tpot_s > 0 else None
         self.outcomes += 1
-        for tracks, key in ((self.routes, route), (self.buckets, (route, bucket))):
-            track = tracks.setdefault(key, _Track())  # type: ignore[arg-type]
-            track.learn(ttft_ratio, tpot_ratio, min(CAP, ttft_error),
-                        None if tpot_error is None else min(CAP, tpot_error), self.outcomes)
+        learned = (ttft_ratio, tpot_ratio, ttft_error, tpot_error, self.outcomes)
+        self.routes.setdefault(route, _Track()).learn(*learned)
+        self.buckets.setdefault((route, bucket), _Track()).learn(*learned)
 
 
 def _bounded(ratio: float) -> float:
