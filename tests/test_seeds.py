@@ -9,6 +9,7 @@ import math
 
 import msgspec
 import pytest
+from test_sweeps import InProcessPool
 
 from dynamo_ppd.cli import main as cli_main
 from dynamo_ppd.engine.profile import DEFAULT_PROFILE
@@ -228,21 +229,6 @@ def test_a_standing_on_pooled_points_is_the_same_scoring_as_on_one_seed():
 
 
 # -- the plumbing, on a tiny real run ---------------------------------------------------------------
-
-class InProcessPool:
-    """The process pool's stand-in: the points run here (a unit test starts no process)."""
-
-    def __init__(self, *args):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def map(self, fn, items, chunksize=1):
-        return map(fn, items)
 
 
 @pytest.mark.slow
