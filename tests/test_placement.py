@@ -274,3 +274,19 @@ def test_router_and_simulator_count_what_they_routed_alike_and_place_a_new_conve
     assert state.routed["D1"] == Routed(requests=2, context_tokens=150 + len(new), inverse_outputs=2 / 4000)
     cluster.run()
     assert all(view.inflight_prompt_tokens(w) == 0 and view.inflight(w) == 0 for w in ids)
+
+
+def test_the_live_router_places_a_new_conversation_on_an_idle_fleet_where_the_least_kv_is_held():
+    """Nothing in flight anywhere: the residency index's held blocks decide, as `kv_used_blocks`
+    does in the simulator (`cluster_state`), not the lowest instance id."""
+    ids = {"P0": 1, "D0": 11, "D1": 12}
+    config = parse_args(["--mode", "pd"])
+    router = PpdRouter(None, config, build_policy(config), RoutingMetrics(),
+                       clients={"prefill": FakeClient([ids["P0"]], "prefill"),
+                                "decode": FakeClient([ids["D0"], ids["D1"]], "decode")})
+    blocks = [{"block_hash": 500 + i, "tokens_hash": 9000 + i} for i in range(10)]
+    stored = {"stored": {"parent_hash": None, "blocks": blocks}}
+    router.residency.apply(ids["D0"], {"event_id": 1, "data": stored})
+    new = list(range(5000, 5040))
+    plan = asyncio.run(router.plan_turn({"token_ids": new, "stop_conditions": {"max_tokens": 128}}, new))
+    assert plan.decode == ids["D1"]

@@ -304,8 +304,9 @@ class Routing:
     def _cluster(self, chain: list[int], prefill: Sequence[int] = (), decode: Sequence[int] = (),
                  replica: Sequence[int] = ()) -> planner.WorkersView:
         """The planner's view of these workers: how much of the prompt (``chain``: its prefix ids)
-        each holds (the residency index), this router's own counts, and the loads the policy reads
-        (own counts merged with the workers' reports)."""
+        each holds and how much KV each decode worker holds in all (the residency index), this
+        router's own counts, and the loads the policy reads (own counts merged with the workers'
+        reports)."""
         bs = self.config.block_size
         disaggregated = [*prefill, *decode]
         every = [*disaggregated, *replica]
@@ -314,7 +315,8 @@ class Routing:
             prefill, decode, replica,
             cached_tokens={w: self.residency.held_blocks(w, chain) * bs for w in every},
             loads={w: self.loads.of(w, reports[w]) for w in disaggregated},
-            routed={w: self.loads.routed(w) for w in every})
+            routed={w: self.loads.routed(w) for w in every},
+            resident_tokens={w: self.residency.block_count(w) * bs for w in decode})
 
     def _select_table(self, prefill_workers: int, decode_workers: int) -> None:
         """``--table auto``: the table shipped for the profile and the live P:D configuration
