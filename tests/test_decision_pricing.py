@@ -130,3 +130,9 @@ def test_exploration_is_bounded_and_only_where_the_margin_is_thin():
     clear = [policy.decide(follow_up(prompt=30_000, new=20, out=200, batch=0, key=f"t{i}:2"), 29_000)
              for i in range(500)]
     assert all(d.route is Route.DECODE_LOCAL for d in clear)
+
+
+@pytest.mark.parametrize("bad", [{"normalize": "fleets"}, {"table_scope": "near"}])
+def test_an_unknown_ablation_setting_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Policy(PolicyConfig(Mode.PPD, **bad), ProfilePredictor(PROFILE))

@@ -114,6 +114,10 @@ class Policy:
             raise ValueError("ppd mode needs a route predictor (the engine profile's)")
         if not 0.0 <= config.local_fraction <= 1.0:
             raise ValueError("local fraction must be within [0, 1]")
+        if config.normalize not in ("fleet", "request"):
+            raise ValueError(f"normalize must be 'fleet' or 'request', not {config.normalize!r}")
+        if config.table_scope not in ("grid", "all", "none"):
+            raise ValueError(f"table_scope must be 'grid', 'all' or 'none', not {config.table_scope!r}")
         self.config = config
         self.predictor = predictor
         self.table = table
