@@ -16,7 +16,7 @@ from dynamo_ppd.policy.decision import (
     Route,
     WorkerLoad,
 )
-from dynamo_ppd.policy.learning import CAP, FLOOR, MIN_OUTCOMES, PRIOR_ERROR, Calibration, bucket_of
+from dynamo_ppd.policy.learning import CAP, FLOOR, MEMORY, MIN_OUTCOMES, PRIOR_ERROR, Calibration, bucket_of
 from dynamo_ppd.policy.score import Prediction
 
 pytestmark = pytest.mark.unit
@@ -109,14 +109,17 @@ def test_a_gain_within_the_predictions_error_stays_local_and_a_proven_model_move
     assert proven.route is Route.VIA_PREFILL
 
 
-def test_no_table_cell_decides_a_request_far_outside_the_grid():
+def test_with_a_table_the_cells_measured_score_decides_and_without_one_the_priced_model():
     from dynamo_ppd.policy.table import bundled_table, load_table
 
-    policy = Policy(PolicyConfig(Mode.PPD), ProfilePredictor(PROFILE), load_table(bundled_table("1P3D")))
-    inside = policy.decide(follow_up(prompt=2_000, new=64, out=64, batch=2), history_tokens=1_900)
-    outside = policy.decide(follow_up(prompt=30_000, new=2_500, out=80, batch=2), history_tokens=27_000)
-    assert inside.cell is not None and inside.reason.startswith("table")
-    assert outside.cell is None and outside.reason == "predicted"
+    features = follow_up(prompt=2_000, new=64, out=64, batch=2)
+    tabled = Policy(PolicyConfig(Mode.PPD), ProfilePredictor(PROFILE), load_table(bundled_table("1P3D")))
+    measured = tabled.decide(features, history_tokens=1_900)
+    assert measured.cell is not None and measured.reason == "table_corrected" and measured.margin == 0.0
+    model_only = Policy(PolicyConfig(Mode.PPD), ProfilePredictor(PROFILE))
+    predicted = model_only.decide(features, history_tokens=1_900)
+    assert predicted.cell is None and predicted.reason == "predicted"
+    assert predicted.margin is not None and predicted.margin > 0
 
 
 def test_exploration_is_bounded_and_only_where_the_margin_is_thin():
@@ -132,7 +135,13 @@ def test_exploration_is_bounded_and_only_where_the_margin_is_thin():
     assert all(d.route is Route.DECODE_LOCAL for d in clear)
 
 
-@pytest.mark.parametrize("bad", [{"normalize": "fleets"}, {"table_scope": "near"}])
-def test_an_unknown_ablation_setting_is_refused_by_name(bad):
-    with pytest.raises(ValueError, match=next(iter(bad))):
-        Policy(PolicyConfig(Mode.PPD, **bad), ProfilePredictor(PROFILE))
+def test_the_margin_rests_on_the_error_of_the_mean_which_shrinks_with_outcomes():
+    calibration = Calibration()
+    assert calibration.mean_error("via_prefill", "c1-a1-l1") == (PRIOR_ERROR, PRIOR_ERROR)
+    p = Prediction(0.050, 0.010)
+    for k in range(40):  # each outcome 30% off, alternately: the mean is right, one request is not
+        ttft = 0.050 * (1.3 if k % 2 else 0.7)
+        calibration.observe("via_prefill", "c1-a1-l1", p, p, ttft_s=ttft, tpot_s=0.010)
+    spread, _ = calibration.error("via_prefill", "c1-a1-l1")
+    of_mean, _ = calibration.mean_error("via_prefill", "c1-a1-l1")
+    assert spread > 0.2 and of_mean == pytest.approx(spread / MEMORY ** 0.5)

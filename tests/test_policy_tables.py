@@ -201,7 +201,7 @@ def test_explain_agrees_with_the_router_decision(capsys):
     from dynamo_ppd.cli import table as table_cli
     from dynamo_ppd.engine.blocks import prefix_chain
 
-    router, histories = decisions.build(1, 2900, "ppd")
+    router, histories = decisions.build(1, 2900, "ppd", table="auto")
     history_local = router._hash(histories[0], 32)
     blocks = [{"block_hash": 900 + i, "tokens_hash": h} for i, h in enumerate(history_local)]
     router.residency.apply(1, {"event_id": 9, "data": {"stored": {"parent_hash": None, "blocks": blocks}}})

@@ -34,9 +34,10 @@ class _Instances:
         return self._ids
 
 
-def build(num_sessions: int, history_tokens: int, mode: str, seed: int = 0):
-    """A router with `num_sessions` conversations spread over 3 decode workers (1 prefill)."""
-    config = parse_args(["--mode", mode])
+def build(num_sessions: int, history_tokens: int, mode: str, seed: int = 0, table: str = "none"):
+    """A router with `num_sessions` conversations spread over 3 decode workers (1 prefill); ``table``
+    as the router's ``--table``."""
+    config = parse_args(["--mode", mode, "--table", table])
     decode_ids, prefill_ids = [11, 12, 13], [1]
     router = PpdRouter(None, config, build_policy(config), RoutingMetrics(),
                        clients={"decode": _Instances(decode_ids), "prefill": _Instances(prefill_ids)})

@@ -51,21 +51,15 @@ class SimPoint(msgspec.Struct, frozen=True):
 
 def sim_router(profile, config: str, system: str, seed: int = 0):
     """(the simulator's worker counts, the router) of ``system``'s twin. ppd as the live router's
-    ``--table auto``: the table shipped for the configuration, or cold-start predictions when
-    none is shipped (e.g. 1P2D)."""
+    default (``--table none``: the cost model, learning from outcomes)."""
     from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
     from ..policy.simulate import PolicyRouter
-    from ..policy.table import Weights, bundled_table, load_table, reweight
     from ..studies.policies import router_for
 
     system = SAME_TWIN.get(system, system)
-    if system == "ppd" and not bundled_table(config).is_file():
+    if system == "ppd":
         return config, PolicyRouter(Policy(PolicyConfig(Mode.PPD, w_ttft=1.0, w_tpot=1.0),
                                            ProfilePredictor(profile)))
-    if system == "ppd":
-        table = reweight(load_table(bundled_table(config)), Weights(1.0, 1.0))
-        return config, PolicyRouter(Policy(PolicyConfig(Mode.PPD, w_ttft=1.0, w_tpot=1.0),
-                                           ProfilePredictor(profile), table))
     return router_for(profile, config, SIM_POLICY[system], seed)
 
 

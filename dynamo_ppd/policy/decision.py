@@ -7,13 +7,15 @@ through a prefill worker again (``via_prefill``, x=0). Which one depends on the 
 - ``pd``: always via prefill (classic disaggregation).
 - ``local``: always decode-local when the decode worker still holds the history.
 - ``fraction``: decode-local for a fixed, deterministic share of follow-ups.
-- ``ppd``: the paper's score (`score.score`), decode-local when S > 0. With a table, S is the
-  measured score of the request's grid cell plus an online correction: how much the cost model
-  says the score moves from the conditions the cell was measured under (its representative
-  context and workload, the loads seen then) to this request's real ones (its cached and new
-  tokens, the prefill queue, the decode worker's batch). A hot decode worker, a cold prefill
-  worker or a workload unlike the grid's therefore move the decision; with no drift the table
-  decides alone. Without a table (cold start), S comes from the cost model's predictions alone.
+- ``ppd``: the score S of decode-local against via prefill, decode-local unless S is below
+  minus its margin. Without a table (the default), S is the cost model's, priced as the fleet
+  pays it (`predictor`: the request's own TTFT and TPOT and what its append costs the sequences
+  it delays, over the fleet's mean follow-up TTFT and TPOT), its predictions corrected per route
+  and bucket by observed outcomes and its margin the error of those corrected means (`learning`).
+  With a table (``--table auto|PATH``), S is the paper's: the measured score of the request's
+  grid cell plus an online correction, how much the cost model says the score moves from the
+  conditions the cell was measured under (its representative context and workload, the loads
+  seen then) to this request's real ones.
 - ``replica``: aggregated workers only (no disaggregation), as the paper's Replica baseline.
 
 Whatever the mode, a follow-up whose history the decode worker no longer holds (evicted, or the
@@ -92,13 +94,6 @@ class PolicyConfig:
     # A follow-up is decode-local only if the decode worker holds at least this share of the
     # history it sent before (less means it was evicted: the turn is a full prefill again).
     min_resident_fraction: float = 0.5
-    # Ablations of the decision (docs/decisions.md, "Measured"): "fleet" or "request" (the
-    # paper's per-request denominators); the others' TPOT charge; the error margin; where the
-    # table decides: "grid" (near its classes), "all" (every request, as before issue 40), "none".
-    normalize: str = "fleet"
-    fleet_tpot: bool = True
-    margin: bool = True
-    table_scope: str = "grid"
 
 
 # Exploration: where the margin is thin, a follow-up whose bucket has not seen the via-prefill
@@ -114,10 +109,6 @@ class Policy:
             raise ValueError("ppd mode needs a route predictor (the engine profile's)")
         if not 0.0 <= config.local_fraction <= 1.0:
             raise ValueError("local fraction must be within [0, 1]")
-        if config.normalize not in ("fleet", "request"):
-            raise ValueError(f"normalize must be 'fleet' or 'request', not {config.normalize!r}")
-        if config.table_scope not in ("grid", "all", "none"):
-            raise ValueError(f"table_scope must be 'grid', 'all' or 'none', not {config.table_scope!r}")
         self.config = config
         self.predictor = predictor
         self.table = table
@@ -148,35 +139,28 @@ class Policy:
         bucket = bucket_of(f)
         local_c, via_c = self.predictor.costs(f)
         local_p, via_p = self._calibrated(local_c, via_c, bucket)
-        ref = self._reference(via_p)
-        live = self._score(local_c, via_p, local_p, ref)
-        margin = self._margin(local_p, via_p, bucket, ref)
-        key, measured, reason = None, None, "predicted"
-        if self.table is not None and self._within_grid(f):
-            key = self.cell_key(f)
-            (cell_local, cell_via), nominal_costs = self._cell(key)
-            # The cell's measured means, over the same denominators as this request's score: the
-            # measured TPOTs already hold what the cell's appends cost the others.
-            measured = score(cell_local, cell_via, self.config.w_ttft, self.config.w_tpot, ref)
-            s = measured
-            reason = "table"
-            if self.online_correction:
-                # How far this request's conditions move the score from the cell's. The nominal
-                # conditions go through the same calibration as the live ones, so that only the
-                # conditions differ: the model's own bias is already in the measured score, and
-                # an uncalibrated nominal would add it again (flipping cells with a small margin).
-                n_local, n_via = nominal_costs
-                n_local_p, n_via_p = self._calibrated(n_local, n_via, bucket)
-                correction = live - self._score(n_local, n_via_p, n_local_p, ref)
-                s += correction
-                reason = "table_corrected"
-                # The measured score is an outcome, not a prediction: only the correction carries
-                # the model's error (as large, relative to it, as to the live score).
-                margin = min(1.0, margin / max(abs(live), 1e-9)) * abs(correction)
-            else:
-                margin = 0.0
+        if self.table is None:
+            ref = self._reference(via_p)
+            s, measured, key = self._score(local_c, via_p, local_p, ref), None, None
+            margin = self._margin(local_p, via_p, bucket, ref)
+            reason = "predicted"
         else:
-            s = live
+            # The paper's table: the cell's measured score (its outcomes hold what its appends
+            # cost the other sequences), and, with online correction, how far the cost model says
+            # this request's conditions move it, in the paper's per-request units.
+            key = self.cell_key(f)
+            (cell_local, cell_via), (n_local, n_via) = self._cell(key)
+            w_ttft, w_tpot = self.config.w_ttft, self.config.w_tpot
+            s = measured = score(cell_local, cell_via, w_ttft, w_tpot)
+            margin, reason = 0.0, "table"  # a measured score is an outcome, not a prediction
+            if self.online_correction:
+                # The nominal conditions go through the same calibration as the live ones, so
+                # that only the conditions differ: the model's own bias is already in the
+                # measured score, and an uncalibrated nominal would add it again (flipping cells
+                # with a small margin).
+                nominal = score(*self._calibrated(n_local, n_via, bucket), w_ttft, w_tpot)
+                s += score(local_p, via_p, w_ttft, w_tpot) - nominal
+                reason = "table_corrected"
         # Going through a prefill worker moves the whole context's KV; it must be predicted to
         # pay by more than the prediction's own measured error, or the turn stays local.
         route = Route.VIA_PREFILL if s < -margin else Route.DECODE_LOCAL
@@ -200,7 +184,7 @@ class Policy:
         """What the score's seconds are divided by: the fleet's mean follow-up TTFT and TPOT once
         outcomes have been seen (a point's score is on those means), else this request's own
         via-prefill predictions (the paper's per-request score)."""
-        if self.config.normalize == "fleet" and self.fleet.ttft_s and self.fleet.tpot_s:
+        if self.fleet.ttft_s and self.fleet.tpot_s:
             return Prediction(self.fleet.ttft_s, self.fleet.tpot_s)
         return via
 
@@ -208,33 +192,20 @@ class Policy:
         """The score priced as the fleet pays it: the TTFT this request gains or loses, and the
         TPOT it and the sequences its append delays pay (`predictor`), each over ``ref``."""
         others = 0.0
-        if self.config.fleet_tpot and local_c.own.tpot_s:
+        if local_c.own.tpot_s:
             # The others' delay is the model's; it is corrected as this worker's TPOT is.
             others = local_c.others_tpot_s * local.tpot_s / local_c.own.tpot_s
         charged = Prediction(local.ttft_s, local.tpot_s + others)
         return score(charged, via, self.config.w_ttft, self.config.w_tpot, ref)
 
     def _margin(self, local: Prediction, via: Prediction, bucket: str, ref: Prediction) -> float:
-        """The score's uncertainty from the predictions' measured errors (root sum of squares of
-        each term's error), in the score's units."""
-        if not self.config.margin:
-            return 0.0
-        lt, lp = self.calibration.error(Route.DECODE_LOCAL.value, bucket)
-        vt, vp = self.calibration.error(Route.VIA_PREFILL.value, bucket)
+        """The score's uncertainty from the errors of the routes' learned mean predictions (root
+        sum of squares of each term's error), in the score's units."""
+        lt, lp = self.calibration.mean_error(Route.DECODE_LOCAL.value, bucket)
+        vt, vp = self.calibration.mean_error(Route.VIA_PREFILL.value, bucket)
         ttft = math.hypot(lt * local.ttft_s, vt * via.ttft_s) / ref.ttft_s
         tpot = math.hypot(lp * local.tpot_s, vp * via.tpot_s) / ref.tpot_s
         return self.config.w_ttft * ttft + self.config.w_tpot * tpot
-
-    def _within_grid(self, f: RequestFeatures) -> bool:
-        """The table decides only requests near the conditions it measured: a context and an
-        append within a factor 2 of its largest classes (beyond, its nearest cell was measured on
-        other requests and the cost model decides alone)."""
-        if self.config.table_scope == "all":
-            return True
-        if self.config.table_scope == "none":
-            return False
-        largest_context, largest_append = self._grid_reach
-        return f.prompt_tokens <= 2 * largest_context and f.new_tokens <= 2 * largest_append
 
     def set_table(self, table: PpdTable | None) -> None:
         """Use another table (the router switches when the live P:D configuration changes)."""
@@ -245,9 +216,6 @@ class Policy:
                                tuple[tuple[Prediction, Prediction], tuple[RouteCosts, RouteCosts]]] = {}
         self._workload_points = ([(w.name, math.log(w.input_tokens), math.log(w.output_tokens))
                                   for w in table.grid.workload_classes] if table else [])
-        # The largest context and append the table's classes stand for (`_within_grid`).
-        self._grid_reach = ((max(c.representative_tokens for c in table.grid.context_classes),
-                             max(w.input_tokens for w in table.grid.workload_classes)) if table else (0, 0))
 
     def _cell(self, key: tuple[str, str, float]) -> tuple[tuple[Prediction, Prediction],
                                                           tuple[RouteCosts, RouteCosts]]:

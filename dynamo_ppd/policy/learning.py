@@ -7,9 +7,12 @@ token, the endpoint picker a sample of answers through ext_proc).
   moving (a fixed weight on each new outcome), so a correction recovers when conditions change.
   A bucket with too few outcomes of its own borrows its route's overall ratio.
 - **The predictor's measured error** (`Calibration.error`): per route and bucket, the mean
-  absolute relative error of the corrected predictions the policy used; it is the margin inside
-  which going through a prefill worker is not worth moving KV for (`decision.Policy.decide`).
-  Before any outcome it is `PRIOR_ERROR`: an unproven model is not trusted to a few percent.
+  absolute relative error of the corrected predictions the policy used, one request's spread.
+  A route is chosen for its mean, so the margin inside which going through a prefill worker is
+  not worth moving KV for (`decision.Policy.decide`) is the error of the learned mean
+  (`Calibration.mean_error`): that spread over the square root of the outcomes it rests on, at
+  most the ~19 an exponentially weighted mean remembers. Before any outcome the spread is
+  `PRIOR_ERROR` and rests on none: an unproven model is not trusted to a few percent.
 - **Fleet means** (`FleetMeans`): the mean follow-up TTFT and TPOT observed, what the score's terms
   are divided by, so that a decision weighs seconds as the fleet's mean pays them.
 
@@ -28,6 +31,7 @@ ALPHA = 0.1  # weight of each new outcome in a bucket's ratio and error (~10 out
 FLOOR, CAP = 0.25, 4.0  # bounds of a correction ratio
 MIN_OUTCOMES = 5  # a bucket's own ratio is used once it has seen this many outcomes
 PRIOR_ERROR = 0.2  # relative error assumed before outcomes say otherwise
+MEMORY = (2 - ALPHA) / ALPHA  # outcomes an exponentially weighted mean rests on (its effective count)
 
 # Bucket edges: prompt tokens (context), tokens to compute decode-local (append), sequences
 # decoding on the worker that would run the turn (load). Coarse on purpose: a bucket must see
@@ -95,6 +99,13 @@ class Calibration:
         """(TTFT, TPOT) mean absolute relative error of the corrected predictions."""
         track = self._track(route, bucket)
         return track.ttft_error, track.tpot_error
+
+    def mean_error(self, route: str, bucket: str) -> tuple[float, float]:
+        """(TTFT, TPOT) relative error of the corrected *mean* prediction: `error` over the square
+        root of the outcomes behind it (as many as the weighted mean remembers at most)."""
+        track = self._track(route, bucket)
+        shrink = math.sqrt(max(1.0, min(track.outcomes, MEMORY)))
+        return track.ttft_error / shrink, track.tpot_error / shrink
 
     def stale(self, route: str, bucket: str, after: int) -> bool:
         """The route has not learned in this bucket within the last ``after`` outcomes."""

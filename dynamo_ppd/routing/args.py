@@ -73,10 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of follow-ups kept decode-local in fraction mode")
     p.add_argument("--weights", type=_weights, default=(1.0, 1.0),
                    help="W_TTFT,W_TPOT of the ppd score (presets: 1,1 balanced; 2,1; 1,2)")
-    p.add_argument("--table", default="auto",
-                   help="ppd mode: a table JSON path; 'auto' = the table shipped for the profile and "
-                   "the live P:D count (cold start from --profile predictions when none matches); "
-                   "'none' = always cold start")
+    p.add_argument("--table", default="none",
+                   help="ppd mode: 'none' (default) = the --profile cost model priced as the fleet pays "
+                   "it, corrected by observed outcomes (docs/decisions.md); a table JSON path, or "
+                   "'auto' = the table shipped for the profile and the live P:D count, the paper's "
+                   "measured score plus the online correction (the cost model where none matches)")
     p.add_argument("--allow-forced-route", action="store_true",
                    help="obey a request annotation x-ppd-route:via_prefill|decode_local on follow-ups "
                    "(for `dynamo-ppd table build --backend live`; never in production)")

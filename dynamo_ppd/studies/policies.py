@@ -12,8 +12,8 @@ of the same profile and seed, so they see the same conversations, once per seed 
   router (`peers.DynamoKvRouter`);
 - ``hybrid``: one decode GPU turned into a replica (1P3D -> 1R_1P_2D), placed as the paper
   authors' proxy places conversations;
-- ``ppd@w``: our router's policy (the shipped table for the configuration + online correction)
-  at weights (1, w);
+- ``ppd@w``: our router's policy as it runs by default (``--table none``: the cost model priced
+  as the fleet pays it, corrected by observed outcomes) at weights (1, w);
 - every peer of `dynamo_ppd.sim.peers` (Dynamo's conditional disaggregation, llm-d, vLLM's
   router), each implemented from its own source.
 
@@ -58,7 +58,7 @@ from ..experiment.progress import Progress
 from ..paper.protocol import simulate_point
 from ..policy.decision import Mode, Policy, PolicyConfig, ProfilePredictor
 from ..policy.simulate import PolicyRouter
-from ..policy.table import CONFIGS, PpdTable, Weights, bundled_table, load_table, reweight
+from ..policy.table import CONFIGS
 from ..sim import Conversation, peers
 from ..sim.cluster import Router, parse_config
 from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S
@@ -150,17 +150,10 @@ def _conversations(workload: str, rate: float, seed: int) -> tuple[list[Conversa
     return to_sim(make_workload(workload, rate, CHAT_WINDOW_S, seed)), CHAT_TIMEOUT_S
 
 
-@functools.cache
-def _ppd_table(config: str, w_tpot: float) -> PpdTable:
-    """The shipped table of ``config`` at weights (1, w_tpot), read once per process (a point's
-    shared runs build a PPD router per weight and run; the table is frozen)."""
-    return reweight(load_table(bundled_table(config)), Weights(1.0, w_tpot))
-
-
-def _ppd(profile: EngineProfile, config: str, w_tpot: float) -> PolicyRouter:
-    table = _ppd_table(config, w_tpot)
-    policy = Policy(PolicyConfig(Mode.PPD, w_ttft=1.0, w_tpot=w_tpot), ProfilePredictor(profile), table)
-    return PolicyRouter(policy)
+def _ppd(profile: EngineProfile, w_tpot: float) -> PolicyRouter:
+    """PPD as the router runs it by default (``--table none``: the cost model, learning from
+    outcomes) at weights (1, w_tpot)."""
+    return PolicyRouter(Policy(PolicyConfig(Mode.PPD, w_ttft=1.0, w_tpot=w_tpot), ProfilePredictor(profile)))
 
 
 def cluster_config_for(config: str, policy: str) -> str:
@@ -186,7 +179,7 @@ def router_for(profile: EngineProfile, config: str, policy: str, seed: int) -> t
     if policy == "hybrid":
         return cluster_config, paper_proxy_router(parse_paper_config(hybrid_config(config)), seed)
     if policy.startswith("ppd@"):
-        return cluster_config, _ppd(profile, config, float(policy[4:]))
+        return cluster_config, _ppd(profile, float(policy[4:]))
     if policy in _peers():
         return cluster_config, peers.make_peer_router(policy, seed, profile)
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(policy_names())}")
