@@ -429,7 +429,7 @@ def test_helm_template_preset(helm, preset):
     public_ns = frontend["args"][frontend["args"].index("--namespace") + 1]
     router = _router_args(docs)
     assert (router.mode, router.weights, router.session_ttl, router.table) == \
-        ("ppd", (1.0, 1.0), 3600.0, "auto")
+        ("ppd", (1.0, 1.0), 3600.0, "none")
     assert router.namespace == public_ns != router.workers_namespace
     assert router.block_size == _engine("decode.yaml")["kv_cache_config"]["tokens_per_block"]
     assert router.etcd_url.startswith("http://") and router.nats_url.startswith("nats://")

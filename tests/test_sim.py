@@ -303,13 +303,17 @@ def test_cli_runs_ppd_on_a_named_workload(tmp_path, capsys):
     assert {r["route"] for r in document["records"]} <= {"via_prefill", "decode_local"}
 
 
-def test_cli_ppd_without_a_shipped_table_predicts_from_the_profile(capsys):
-    assert cli("--router", "ppd", "--config", "1P1D", "--weights", "1,3", "--qps", "2",
-               "--duration", "2") == 0
-    assert "router ppd (weights 1,3; no table: profile predictions)" in capsys.readouterr().out
-    assert cli("--router", "ppd", "--config", "1P3D", "--table", "none", "--rate", "2",
+def test_cli_ppd_decides_from_the_cost_model_unless_a_table_is_asked_for(capsys):
+    assert cli("--router", "ppd", "--config", "1P3D", "--weights", "1,3", "--qps", "2",
                "--duration", "1") == 0
-    assert "no table: profile predictions" in capsys.readouterr().out
+    assert "router ppd (weights 1,3; the profile's cost model)" in capsys.readouterr().out
+    # auto: the shipped table where one ships, the cost model where none does (1P1D).
+    assert cli("--router", "ppd", "--config", "1P3D", "--table", "auto", "--rate", "2",
+               "--duration", "1") == 0
+    assert "table h100-llama3.1-8b-1p3d.json" in capsys.readouterr().out
+    assert cli("--router", "ppd", "--config", "1P1D", "--table", "auto", "--rate", "2",
+               "--duration", "1") == 0
+    assert "the profile's cost model" in capsys.readouterr().out
 
 
 def test_cli_runs_every_peer_policy_of_sim_compare(capsys):

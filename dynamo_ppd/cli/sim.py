@@ -69,10 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of turns 2+ run on the decode worker, for --router fraction")
     parser.add_argument("--weights", type=_weights, default=Weights(1.0, 1.0), metavar="W_TTFT,W_TPOT",
                         help="--router ppd: the operator's weights on turn-2+ TTFT and TPOT (default 1,1)")
-    parser.add_argument("--table", default="auto", metavar="auto|none|PATH",
-                        help="--router ppd: auto = the table shipped for --config and --profile (1P3D, "
-                        "2P2D, 3P1D of the default profile), else the profile's predictions; none = "
-                        "the predictions always; or a table JSON")
+    parser.add_argument("--table", default="none", metavar="none|auto|PATH",
+                        help="--router ppd, as the router's --table: none (default) = the profile's cost "
+                        "model priced as the fleet pays it, corrected by outcomes; auto = the paper's table "
+                        "shipped for --config and --profile (1P3D, 2P2D, 3P1D of the default profile), "
+                        "else the cost model; or a table JSON")
     parser.add_argument("--workload", metavar="NAME",
                         help="a named workload (wildchat, sharegpt, long-context, many-turn, agent-32k, "
                         "turns-N, the paper's small_tiny ...; an unknown name lists them all) "
@@ -166,7 +167,7 @@ def _router(args: argparse.Namespace, profile: EngineProfile) -> tuple[Router, s
         path = Path(args.table)
     table = load_table(path) if path is not None else None
     w = args.weights
-    source = f"table {path.name}" if path is not None else "no table: profile predictions"
+    source = f"table {path.name}" if path is not None else "the profile's cost model"
     return ppd_router(profile, w, table), f"ppd (weights {w.w_ttft:g},{w.w_tpot:g}; {source})"
 
 
