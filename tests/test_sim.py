@@ -291,12 +291,12 @@ def test_cli_timeout_fails_late_turns_and_ends_their_conversations(capsys):
 
 
 def test_cli_runs_ppd_on_a_named_workload(tmp_path, capsys):
-    # The done-when, on a shorter arrival window: PPD with the shipped 1P3D table.
+    # The done-when, on a shorter arrival window: PPD as the router runs it by default.
     out = tmp_path / "sim.json"
     assert cli("--router", "ppd", "--config", "1P3D", "--workload", "wildchat", "--qps", "4",
                "--duration", "3", "--json", str(out)) == 0
     text = capsys.readouterr().out
-    assert "router ppd (weights 1,1; table h100-llama3.1-8b-1p3d.json)" in text
+    assert "router ppd (weights 1,1; the profile's cost model)" in text
     assert "workload wildchat" in text and "(30 s timeout)" in text and "turns 2+" in text
     document = json.loads(out.read_text())
     assert document["summary"]["outcome"]["turn2"]["count"] > 0
