@@ -71,6 +71,22 @@ def test_buckets_learn_apart_borrow_the_route_until_they_have_their_own_and_reco
     assert calibration.apply("via_prefill", "c3-a2-l0", p).ttft_s == pytest.approx(0.100 * FLOOR, rel=0.05)
 
 
+def test_a_correction_starts_as_the_plain_mean_of_its_first_outcomes():
+    """A link four times slower than the profile says: the first outcomes are the whole evidence,
+    so the correction is their mean at once (a fixed 0.1 weight from a prior of 1 left it at 1.4
+    after 5 outcomes at 3x), and a weighted mean later, still able to move."""
+    calibration = Calibration()
+    p = Prediction(0.100, 0.010)
+    calibration.observe("via_prefill", "c1-a1-l0", p, p, ttft_s=0.300, tpot_s=0.010)
+    assert calibration.routes["via_prefill"].ttft_ratio == pytest.approx(3.0)
+    calibration.observe("via_prefill", "c1-a1-l0", p, p, ttft_s=0.200, tpot_s=0.020)
+    track = calibration.routes["via_prefill"]
+    assert track.ttft_ratio == pytest.approx(2.5) and track.tpot_ratio == pytest.approx(1.5)
+    for _ in range(MIN_OUTCOMES):
+        calibration.observe("via_prefill", "c1-a1-l0", p, p, ttft_s=0.300, tpot_s=0.010)
+    assert calibration.apply("via_prefill", "c1-a1-l0", p).ttft_s == pytest.approx(0.100 * 20 / 7)
+
+
 def test_the_error_starts_at_the_prior_and_follows_outcomes():
     calibration = Calibration()
     assert calibration.error("decode_local", "c0-a0-l0") == (PRIOR_ERROR, PRIOR_ERROR)

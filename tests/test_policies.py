@@ -53,6 +53,20 @@ def test_a_policy_is_scored_against_the_best_other_and_other_weights_of_ppd_are_
 
 
 @pytest.mark.unit
+def test_ppd_decides_with_the_link_the_point_runs_on():
+    """An operator's profile describes its deployment's link: at an intra-node point PPD's cost
+    model prices the KV transfer at the intra-node link, not at the profile's own cross-node one."""
+    profile = policies.load_profile(policies.DEFAULT_PROFILE)
+    for link in ("intra-node", "cross-node"):
+        _, router = policies.router_for(profile, "1P3D", "ppd@1", 0, link)
+        predictor = router.policy.predictor
+        assert predictor.link_bandwidth == policies.link_preset(link).link_bandwidth_bytes_s
+        assert predictor.transfer_setup_s == policies.link_preset(link).transfer_setup_s
+    intra = policies.link_preset("intra-node")
+    assert intra.link_bandwidth_bytes_s != profile.transfer.link_bandwidth_bytes_s
+
+
+@pytest.mark.unit
 def test_configurations_for_replicas_and_hybrids_use_the_same_gpus():
     assert policies.replica_config("1P3D") == "4R" and policies.replica_config("3P1D") == "4R"
     assert policies.hybrid_config("1P3D") == "1R_1P_2D" and policies.hybrid_config("3P1D") == "1R_2P_1D"

@@ -3,8 +3,10 @@ token, the endpoint picker a sample of answers through ext_proc).
 
 - **Corrections per route and bucket** (`Calibration`): the ratio of observed to predicted TTFT and
   TPOT, an exponentially weighted mean per route and per bucket of (context, append, load), so a
-  30K-token context and a 1K one are corrected apart. Ratios are bounded ([0.25, 4]) and keep
-  moving (a fixed weight on each new outcome), so a correction recovers when conditions change.
+  30K-token context and a 1K one are corrected apart. A ratio starts as the plain mean of its
+  first outcomes (a profile wrong about the cluster is corrected by its first few outcomes, not
+  after ~20), then keeps moving with a fixed weight on each new outcome, so it recovers when
+  conditions change; ratios are bounded ([0.25, 4]).
   A bucket with too few outcomes of its own borrows its route's overall ratio.
 - **The predictor's measured error** (`Calibration.error`): per route and bucket, the mean
   absolute relative error of the corrected predictions the policy used, one request's spread.
@@ -65,10 +67,13 @@ class _Track:
 
     def learn(self, ttft_ratio: float, tpot_ratio: float | None, ttft_error: float,
               tpot_error: float | None, now: int) -> None:
-        self.ttft_ratio += ALPHA * (ttft_ratio - self.ttft_ratio)
+        # The ratios start as a plain mean of the outcomes so far (the prior of 1 weighs nothing
+        # once one outcome is in) and become the weighted mean once ~1/ALPHA are in.
+        rate = max(ALPHA, 1.0 / (self.outcomes + 1))
+        self.ttft_ratio += rate * (ttft_ratio - self.ttft_ratio)
         self.ttft_error += ALPHA * (ttft_error - self.ttft_error)
         if tpot_ratio is not None:
-            self.tpot_ratio += ALPHA * (tpot_ratio - self.tpot_ratio)
+            self.tpot_ratio += rate * (tpot_ratio - self.tpot_ratio)
         if tpot_error is not None:
             self.tpot_error += ALPHA * (tpot_error - self.tpot_error)
         self.outcomes += 1

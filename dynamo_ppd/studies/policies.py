@@ -165,8 +165,11 @@ def cluster_config_for(config: str, policy: str) -> str:
     return config
 
 
-def router_for(profile: EngineProfile, config: str, policy: str, seed: int) -> tuple[str, Router]:
-    """(the simulator's worker counts, the router) that run ``policy`` on ``config``'s GPUs."""
+def router_for(profile: EngineProfile, config: str, policy: str, seed: int,
+               link: str | None = None) -> tuple[str, Router]:
+    """(the simulator's worker counts, the router) that run ``policy`` on ``config``'s GPUs.
+    ``link``: the KV link preset the cluster runs with; PPD's cost model is given it, as an
+    operator's profile describes the link of the deployment it routes (None: the profile's)."""
     cluster_config = cluster_config_for(config, policy)
     if policy == "x0":
         return cluster_config, pd_router
@@ -179,6 +182,8 @@ def router_for(profile: EngineProfile, config: str, policy: str, seed: int) -> t
     if policy == "hybrid":
         return cluster_config, paper_proxy_router(parse_paper_config(hybrid_config(config)), seed)
     if policy.startswith("ppd@"):
+        if link is not None:
+            profile = msgspec.structs.replace(profile, transfer=link_preset(link))
         return cluster_config, _ppd(profile, float(policy[4:]))
     if policy in _peers():
         return cluster_config, peers.make_peer_router(policy, seed, profile)
@@ -217,7 +222,7 @@ def run_specs(specs: Sequence[CompareSpec], details: bool = False) -> list[Polic
 
     def factory(name: str, spec: CompareSpec) -> Callable[[], Router]:
         def make() -> Router:
-            made[name] = router_for(profile, spec.config, spec.policy, spec.seed)[1]
+            made[name] = router_for(profile, spec.config, spec.policy, spec.seed, spec.link)[1]
             return made[name]
         return make
 
