@@ -281,12 +281,12 @@ class _Tokens:
         return [1] * len(body["messages"][0]["content"].split())
 
 
-def _pick(routing, body: bytes, headers: dict | None = None) -> Refusal:
+def _pick(routing, body: bytes, headers: dict | None = None, path: str = "/v1/chat/completions") -> Refusal:
     from dynamo_ppd.picker.picker import Picker
 
     picker = Picker(routing, _Tokens(), ["127.0.0.1:8001"])  # type: ignore[arg-type]
     with pytest.raises(Refusal) as refused:
-        asyncio.run(picker.pick(headers or {}, body, "/v1/chat/completions"))
+        asyncio.run(picker.pick(headers or {}, body, path))
     return refused.value
 
 
@@ -305,6 +305,53 @@ def test_refusals_carry_their_status_and_count_their_kind():
     errors = {s.labels["kind"]: s.value for s in routing.metrics.errors.collect()[0].samples
               if s.name.endswith("_total")}
     assert errors == {"no_workers": 1.0, "too_large": 1.0, "bad_request": 2.0}
+
+
+class _Unplaceable:
+    def tokens(self, body, path, lap=None):
+        from dynamo_ppd.picker.chat_template import Unplaceable
+
+        raise Unplaceable("unknown_api", f"no prompt in {path}")
+
+
+def test_a_request_the_picker_cannot_place_goes_to_the_frontend_unrouted_and_is_counted():
+    from dynamo_ppd.picker.picker import Picker
+
+    routing = _Routing(AssertionError("an unplaced request is never planned"))
+    picker = Picker(routing, _Unplaceable(), ["127.0.0.1:8001"])  # type: ignore[arg-type]
+    body = json.dumps({"input": "hi"}).encode()
+    picked = asyncio.run(picker.pick({}, body, "/v1/embeddings"))
+    assert (picked.endpoint, picked.set_headers, picked.remove_headers, picked.body, picked.turn) == \
+        ("127.0.0.1:8001", {}, (), None, None)
+    unplaced = {s.labels["reason"]: s.value for s in routing.metrics.unplaced.collect()[0].samples
+                if s.name.endswith("_total")}
+    assert unplaced == {"unknown_api": 1.0}
+    # Bad JSON is still refused before any work, on any path.
+    with pytest.raises(Refusal):
+        asyncio.run(picker.pick({}, b"{nope", "/v1/embeddings"))
+
+
+def test_a_refused_messages_request_gets_anthropics_error_shape():
+    routing = _Routing(AssertionError("refused before planning"))
+    refused = _pick(routing, b"{nope", path="/v1/messages")
+    assert refused.status == 400
+    assert json.loads(refused.body()) == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": str(refused)}}
+    assert json.loads(_pick(routing, b"{nope").body())["error"]["code"] == 400  # OpenAI's elsewhere
+
+
+def test_the_session_comes_from_dynamos_agent_headers_in_its_order():
+    from dynamo_ppd.picker.route import session_from_headers
+
+    claude = {"x-claude-code-session-id": "sess", "x-claude-code-agent-id": "sub"}
+    assert session_from_headers({"x-claude-code-session-id": "sess"}) == "sess"
+    assert session_from_headers(claude) == "sub"  # a subagent has its own context
+    assert session_from_headers({**claude, "x-dynamo-session-id": "dyn"}) == "dyn"
+    assert session_from_headers({"thread-id": "th", "x-session-id": "oc"}) == "th"
+    assert session_from_headers({"x-session-id": "oc", "session_id": "codex-old"}) == "oc"
+    assert session_from_headers({"session_id": "codex-old"}) is None  # Dynamo does not read it
+    assert session_from_headers({"session_id": "codex-old"}, ["session_id"]) == "codex-old"
+    assert session_from_headers({"x-dynamo-session-id": ""}) is None
 
 
 class _Prompts:

@@ -24,6 +24,7 @@ import shutil
 import time
 from pathlib import Path
 
+import agent_api_cases
 import pytest
 
 from dynamo_ppd.picker import prompt as prompt_module
@@ -249,6 +250,8 @@ CASES: list[tuple[str, str | None, str, dict]] = [
         {"role": "user", "content": "and?"}]}),
 ]
 
+CASES += agent_api_cases.CASES
+
 # Requests the frontend answers with a 400; PromptTokenizer must refuse them too.
 REFUSED: list[tuple[str, str, dict]] = [
     ("empty_messages", CHAT, {"messages": []}),
@@ -276,6 +279,7 @@ REFUSED: list[tuple[str, str, dict]] = [
     ("token_id_past_vocab", COMPLETIONS_PATH, {"prompt": [128256]}),
     ("generation_prompt_on_completions", COMPLETIONS_PATH, {"prompt": "x", "add_generation_prompt": True}),
 ]
+REFUSED += agent_api_cases.REFUSED
 
 
 class Capture:
@@ -315,7 +319,7 @@ def capture(model_dir, tmp_path_factory):
         models[name] = copy
     out = tmp / "captured.jsonl"
     frontend = ["{python}", "-m", "dynamo.frontend", "--http-port", "{http_port}", "--namespace", "capture",
-                "--router-mode", "round-robin"]
+                "--router-mode", "round-robin", "--enable-anthropic-api"]
     worker = ["{python}", str(CAPTURE_WORKER), "--out", str(out), "--model", "{model_dir}={model_name}",
               *[arg for name, path in models.items() if name for arg in ("--model", f"{path}={name}")]]
     graph = tmp / "capture.yaml"
@@ -341,14 +345,15 @@ def capture(model_dir, tmp_path_factory):
         deployment.stop()
 
 
-def _body(capture: Capture, model: str | None, body: dict) -> dict:
-    return {"model": model or capture.deployment.model_name, "max_tokens": 1, **body}
+def _body(capture: Capture, model: str | None, body: dict, path: str = CHAT) -> dict:
+    limit = "max_output_tokens" if path == agent_api_cases.RESPONSES else "max_tokens"
+    return {"model": model or capture.deployment.model_name, limit: 1, **body}
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["five_turn_history", "unicode", "completions_prompt", "llama32_multi_turn",
-                                  "completions_token_ids"])
+                                  "completions_token_ids", "messages_tool_loop", "responses_tool_loop"])
 def test_the_frontend_takes_the_pickers_token_ids_instead_of_tokenizing(capture, case):
     """The body the picker forwards (`Picker._body_to_send`: the ids spliced in as
     ``nvext.token_data``) reaches the worker as the same ids the client's body gives; and the
@@ -356,7 +361,7 @@ def test_the_frontend_takes_the_pickers_token_ids_instead_of_tokenizing(capture,
     from dynamo_ppd.picker.picker import Picker
 
     model, path, body = next(c[1:] for c in CASES if c[0] == case)
-    body = _body(capture, model, body)
+    body = _body(capture, model, body, path)
     picker = Picker.__new__(Picker)  # only its body rewrite is exercised here
     picker.send_token_ids, picker.tokenizer = True, capture.tokenizers[model]
     mine = capture.tokenizers[model].tokens(body, path)
@@ -379,7 +384,7 @@ def test_the_frontend_takes_the_pickers_token_ids_instead_of_tokenizing(capture,
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "path", "body"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_token_ids_match_the_frontend(capture, model, path, body):
-    body = _body(capture, model, body)
+    body = _body(capture, model, body, path)
     status, text, sent = capture.post(path, body)
     assert status == 200, text
     assert len(sent) == 1, sent
@@ -394,7 +399,7 @@ def test_token_ids_match_the_frontend(capture, model, path, body):
 @pytest.mark.slow
 @pytest.mark.parametrize(("path", "body"), [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
 def test_requests_the_frontend_refuses_raise_prompt_error(capture, path, body):
-    body = _body(capture, None, body)
+    body = _body(capture, None, body, path)
     status, text, sent = capture.post(path, body)
     assert status == 400 and not sent, (status, text)
     with pytest.raises(PromptError):
@@ -442,7 +447,6 @@ def _user(text: str = "hello") -> dict:
 
 BAD_REQUESTS: list[tuple[str, object, str, str]] = [
     ("body_not_object", ["not", "an", "object"], CHAT, "JSON object"),
-    ("unknown_path", {"messages": [_user()]}, "/v1/embeddings", "only /v1/chat/completions"),
     ("no_messages", {"model": "m"}, CHAT, "missing field `messages`"),
     ("messages_not_a_list", {"messages": "hello"}, CHAT, "array of messages"),
     ("empty_messages", {"messages": []}, CHAT, "cannot be empty"),
@@ -512,6 +516,25 @@ BAD_REQUESTS: list[tuple[str, object, str, str]] = [
 def test_bad_requests_raise_prompt_error(tiny_tokenizer, body, path, message):
     with pytest.raises(PromptError, match=message):
         _make(tiny_tokenizer).tokens(body, path)  # type: ignore[arg-type]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("body", "path", "reason"), [
+    ({"input": "x"}, "/v1/embeddings", "unknown_api"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "/v1/responses", "previous_response_id"),
+    ({"input": "x", "background": True}, "/v1/responses", "responses_unsupported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+     "/v1/responses", "image"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
+     "/v1/messages", "image"),
+])
+def test_what_the_picker_does_not_mirror_is_unplaceable_not_refused(tiny_tokenizer, body, path, reason):
+    from dynamo_ppd.picker.chat_template import Unplaceable
+
+    with pytest.raises(Unplaceable) as raised:
+        _make(tiny_tokenizer).tokens(body, path)
+    assert raised.value.reason == reason and not isinstance(raised.value, PromptError)
 
 
 @pytest.mark.unit

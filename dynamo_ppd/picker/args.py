@@ -12,6 +12,7 @@ from ..argtypes import fraction
 from ..routing.args import RoutingConfig, build_parser, config_from
 from .frontends import split_endpoint
 from .outcomes import DEFAULT_OBSERVE_SHARE
+from .route import AGENT_SESSION_HEADERS
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class PickerConfig:
     timings: bool = False  # each route carries the picker's own time per stage (dynamic metadata)
     send_token_ids: bool = True  # the body carries the picker's token ids (nvext.token_data)
     observe_share: float = DEFAULT_OBSERVE_SHARE  # follow-ups' answers watched for TTFT and TPOT
+    session_headers: tuple[str, ...] = AGENT_SESSION_HEADERS  # a conversation's id, first present wins
+    strip_anthropic_preamble: bool = True  # as the frontend's --strip-anthropic-preamble
 
 
 def _endpoint_list(text: str) -> tuple[str, ...]:
@@ -38,6 +41,15 @@ def _endpoint_list(text: str) -> tuple[str, ...]:
     if not endpoints:
         raise argparse.ArgumentTypeError("give at least one frontend as ip:port or name:port")
     return endpoints
+
+
+def _header_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip().lower() for n in text.split(",") if n.strip())
+    bad = [n for n in names if not n.isascii() or not all(c.isalnum() or c in "-_" for c in n)]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"give header names separated by commas (letters, digits, '-' "
+                                         f"and '_'), not {text!r}")
+    return names
 
 
 def build_picker_parser() -> argparse.ArgumentParser:
@@ -86,6 +98,16 @@ def build_picker_parser() -> argparse.ArgumentParser:
                    "per chunk, ~200 us of the picker's CPU per token watched. 0: watch none; 1: "
                    "every one. A gateway that streams every response body through the picker anyway "
                    "(FULL_DUPLEX_STREAMED, as GAIE's do) has every follow-up watched unless this is 0")
+    g.add_argument("--session-headers", type=_header_list, default=AGENT_SESSION_HEADERS,
+                   help="request headers that name a conversation, the first one present wins; a "
+                   "request with none is recognised by its prompt's prefix. Default: the ones Dynamo "
+                   "1.6.1's frontend reads, in its order: x-dynamo-session-id (any client), "
+                   "x-claude-code-agent-id and x-claude-code-session-id (Claude Code: a subagent's "
+                   "own id, else the session's), thread-id (Codex), x-session-id (opencode)")
+    g.add_argument("--strip-anthropic-preamble", action=argparse.BooleanOptionalAction, default=True,
+                   help="as the frontend's flag of that name (on by default there too): /v1/messages' "
+                   "system prompt loses Claude Code's x-anthropic-billing-header line before it is "
+                   "tokenized. Set it as the frontend's is, or follow-ups are placed by the wrong prefix")
     g.add_argument("--timings", action="store_true",
                    help="add the picker's own time for each request, per stage, to the route's "
                    "dynamic metadata (namespace ppd.picker, microseconds): for the request-path "
@@ -109,4 +131,5 @@ def parse_args(argv: list[str] | None = None) -> tuple[RoutingConfig, PickerConf
         parser.error("--cert-path is for --secure-serving; add it, or drop --cert-path")
     return config_from(parser, a), PickerConfig(a.grpc_host, a.grpc_port, a.health_port, a.frontend,
                                                 a.frontend_refresh, a.secure_serving, a.cert_path,
-                                                a.timings, a.send_token_ids, a.observe_share)
+                                                a.timings, a.send_token_ids, a.observe_share,
+                                                a.session_headers, a.strip_anthropic_preamble)

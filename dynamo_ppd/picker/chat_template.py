@@ -65,6 +65,18 @@ class PromptError(ValueError):
     HTTP 400); the message says why."""
 
 
+class Unplaceable(Exception):
+    """The frontend serves this request, but the picker does not mirror how it makes the prompt
+    (an API it does not know, an image in an Anthropic message, a Responses ``previous_response_id``):
+    the request goes to the frontend unrouted, Dynamo's own routing places it. The message is the
+    reason, counted by the picker (``ppd_requests_unplaced_total{reason}``: ``reason``, one of a few
+    fixed words)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 # oai.rs DEFAULT_MEDIA_TYPE_CONVERSIONS
 _MEDIA_PLACEHOLDERS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 

@@ -35,10 +35,12 @@ from dynamo.llm.exceptions import InvalidArgument
 from ..policy.decision import Route
 from ..routing.planner import NoWorkers
 from ..routing.state import Routing, Turn
+from .chat_template import Unplaceable
 from .frontends import Frontends
+from .messages import MESSAGES_PATH
 from .outcomes import DEFAULT_OBSERVE_SHARE, AnswerWatch
 from .prompt import PromptError, PromptTokenizer
-from .route import SESSION_HEADER, route_headers, without_client_pins
+from .route import AGENT_SESSION_HEADERS, route_headers, session_from_headers, without_client_pins
 from .stages import StageClock
 
 log = logging.getLogger("dynamo_ppd.picker")
@@ -50,13 +52,18 @@ HOLD_MAX_S = 600.0
 class Refusal(Exception):
     """The request is answered by the gateway with this status and message, never forwarded."""
 
-    def __init__(self, status: int, message: str, kind: str):
+    def __init__(self, status: int, message: str, kind: str, anthropic: bool = False):
         super().__init__(message)
         self.status = status
         self.kind = kind  # ppd_request_errors_total{kind}
+        self.anthropic = anthropic  # a /v1/messages request: the error in Anthropic's shape
 
     def body(self) -> bytes:
-        """An OpenAI-style error body, as Dynamo's frontend writes its own."""
+        """The error body Dynamo's frontend writes for the request's API: OpenAI's shape, or for
+        /v1/messages Anthropic's (anthropic.rs ``anthropic_error_response``)."""
+        if self.anthropic:
+            kind = "invalid_request_error" if self.status < 500 else "overloaded_error"
+            return json.dumps({"type": "error", "error": {"type": kind, "message": str(self)}}).encode()
         error_type = "invalid_request_error" if self.status < 500 else "service_unavailable"
         return json.dumps({"error": {"message": str(self), "type": error_type,
                                      "code": self.status}}).encode()
@@ -79,8 +86,10 @@ class Picker:
 
     def __init__(self, routing: Routing, tokenizer: PromptTokenizer,
                  frontends: Frontends | Sequence[str], send_token_ids: bool = True,
-                 observe_share: float = DEFAULT_OBSERVE_SHARE, rng: random.Random | None = None):
+                 observe_share: float = DEFAULT_OBSERVE_SHARE, rng: random.Random | None = None,
+                 session_headers: Sequence[str] = AGENT_SESSION_HEADERS):
         self.routing = routing
+        self.session_headers = tuple(session_headers)  # `route.session_from_headers`
         self.tokenizer = tokenizer
         self.send_token_ids = send_token_ids  # `_body_to_send`
         self.observe_share = observe_share  # `watch`
@@ -107,31 +116,40 @@ class Picker:
         ``subset``: the endpoints the gateway allows (see `frontend`); ``clock``: laps each stage."""
         errors = self.routing.metrics.errors
         clock = clock or StageClock()
+        anthropic = path.split("?", 1)[0].rstrip("/") == MESSAGES_PATH
         try:
             request = json.loads(body)
         except ValueError as exc:
             errors.labels("bad_request").inc()
-            raise Refusal(400, f"the request body is not valid JSON: {exc}", "bad_request") from None
+            raise Refusal(400, f"the request body is not valid JSON: {exc}", "bad_request",
+                          anthropic) from None
         if not isinstance(request, dict):
             errors.labels("bad_request").inc()
-            raise Refusal(400, "the request body must be a JSON object", "bad_request")
+            raise Refusal(400, "the request body must be a JSON object", "bad_request", anthropic)
         clock.lap("parse")
         try:
             tokens = self.tokenizer.tokens(request, path, lap=clock.lap)
             clock.lap("tokenize")
         except PromptError as exc:
             errors.labels("bad_request").inc()
-            raise Refusal(400, str(exc), "bad_request") from None
-        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
+            raise Refusal(400, str(exc), "bad_request", anthropic) from None
+        except Unplaceable as exc:  # served by the frontend, placed by Dynamo's own routing
+            endpoint = self.frontend(subset)
+            self.routing.metrics.unplaced.labels(exc.reason).inc()
+            log.debug("unrouted (%s): %s", exc.reason, exc)
+            return Pick(endpoint, {}, (), None)
+        max_tokens = (request.get("max_completion_tokens") or request.get("max_tokens")
+                      or request.get("max_output_tokens"))  # (the last: the Responses API's)
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             errors.labels("bad_request").inc()
-            raise Refusal(400, f"max_tokens must be a positive integer, not {max_tokens!r}", "bad_request")
+            raise Refusal(400, f"max_tokens must be a positive integer, not {max_tokens!r}", "bad_request",
+                          anthropic)
         too_big = self.routing.limits.check(len(tokens), max_tokens)
         if too_big:  # before any worker sees it
             errors.labels("too_large").inc()
-            raise Refusal(400, too_big, "too_large")
+            raise Refusal(400, too_big, "too_large", anthropic)
         endpoint = self.frontend(subset)  # before the turn is planned: a refusal records nothing
-        session_id = headers.get(SESSION_HEADER)
+        session_id = session_from_headers(headers, self.session_headers)
         turn_request = {"token_ids": tokens, "stop_conditions": {"max_tokens": max_tokens},
                         "agent_context": {"session_id": session_id} if session_id else None}
         self.routing.rate.record(time.monotonic())

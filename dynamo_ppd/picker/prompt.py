@@ -8,9 +8,12 @@ the frontend's default (``--dyn-chat-processor dynamo``, the Rust preprocessor):
 - `PromptTokenizer.from_model_dir` reads a model directory (``tokenizer.json``,
   ``tokenizer_config.json`` and its chat template, ``config.json``).
 - `PromptTokenizer.tokens` gives the ids for a ``/v1/chat/completions`` body (the chat template
-  rendered, `PromptTokenizer.render`, then encoded without special tokens added) or a
-  ``/v1/completions`` body (the prompt encoded as is, or its token ids); ``nvext.token_data``
-  replaces tokenization; a prompt that fills the context window is refused.
+  rendered, `PromptTokenizer.render`, then encoded without special tokens added), a
+  ``/v1/completions`` body (the prompt encoded as is, or its token ids), or an agent API's body
+  made into a chat first as the frontend makes it (``/v1/messages``: `messages`, Anthropic's;
+  ``/v1/responses``: `responses`, OpenAI's); ``nvext.token_data`` replaces tokenization (on all
+  four paths); a prompt that fills the context window is refused. Another path, or a request
+  whose prompt the picker does not mirror, raises `Unplaceable`.
 - A request the frontend answers with HTTP 400 raises `PromptError`, which says why. So does a
   completions batch (several prompts): the frontend fans it out into one backend request per
   prompt, which the picker cannot place on one worker. Not mirrored (the frontend still refuses
@@ -41,10 +44,14 @@ from pathlib import Path
 from typing import Any
 
 from ..model import ModelDirError
-from .chat_template import ChatTemplate, PromptError
+from . import messages as anthropic_messages
+from . import responses as openai_responses
+from .chat_template import ChatTemplate, PromptError, Unplaceable
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+# The paths whose prompt is a chat (the agent APIs' bodies are made into one first).
+CHAT_LIKE_PATHS = (CHAT_PATH, anthropic_messages.MESSAGES_PATH, openai_responses.RESPONSES_PATH)
 
 # lib/llm/src/preprocessor/prompt.rs
 CONTINUE_FINAL_MESSAGE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -388,7 +395,7 @@ class PromptTokenizer:
 
     def __init__(self, tokenizer: Any, config: Mapping[str, Any], *, chat_template: Any = None,
                  vocab_size: int | None = None, context_length: int = 0,
-                 exclude_tools_when_tool_choice_none: bool = True):
+                 exclude_tools_when_tool_choice_none: bool = True, strip_anthropic_preamble: bool = True):
 
         self.tokenizer = tokenizer
         self._fast_encode = hasattr(tokenizer, "encode_batch_fast")
@@ -396,6 +403,8 @@ class PromptTokenizer:
         self.context_length = context_length
         # ModelRuntimeConfig.exclude_tools_when_tool_choice_none: true unless the worker says not.
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
+        # The frontend's --strip-anthropic-preamble (on by default): `messages.strip_billing_preamble`.
+        self.strip_anthropic_preamble = strip_anthropic_preamble
         self.chat_template: ChatTemplate = ChatTemplate(
             chat_template if chat_template is not None else config.get("chat_template"), config)
         self._split = _added_token_split(tokenizer)
@@ -408,8 +417,8 @@ class PromptTokenizer:
         self._cache_lock = threading.Lock()
 
     @classmethod
-    def from_model_dir(cls, path: str | Path, *, exclude_tools_when_tool_choice_none: bool = True
-                       ) -> PromptTokenizer:
+    def from_model_dir(cls, path: str | Path, *, exclude_tools_when_tool_choice_none: bool = True,
+                       strip_anthropic_preamble: bool = True) -> PromptTokenizer:
         from tokenizers import AddedToken, Tokenizer
 
         directory = Path(path)
@@ -441,7 +450,8 @@ class PromptTokenizer:
         return cls(tokenizer, config, chat_template=chat_template,
                    vocab_size=vocab if isinstance(vocab, int) else None,
                    context_length=context if isinstance(context, int) else 0,
-                   exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
+                   exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+                   strip_anthropic_preamble=strip_anthropic_preamble)
 
     # -- per request -----------------------------------------------------------------------------
 
@@ -550,15 +560,22 @@ class PromptTokenizer:
     def tokens(self, body: Mapping[str, Any], path: str,
                lap: Callable[[str], None] | None = None) -> list[int]:
         """The token ids Dynamo's frontend sends the worker for ``body`` POSTed to ``path``
-        (``/v1/chat/completions`` or ``/v1/completions``); `PromptError` for a request it refuses
-        (or, for a batch of several completions prompts, one the picker cannot route as one).
-        preprocessor.rs ``preprocess_request``, ``validate_token_count``. ``lap``: told
-        "template" once a chat is rendered (the picker's stage clock)."""
+        (``/v1/chat/completions``, ``/v1/completions``, ``/v1/messages``, ``/v1/responses``);
+        `PromptError` for a request it refuses (or, for a batch of several completions prompts, one
+        the picker cannot route as one); `Unplaceable` for another path, or a request it serves
+        whose prompt the picker does not mirror. preprocessor.rs ``preprocess_request``,
+        ``validate_token_count``. ``lap``: told "template" once a chat is rendered (the picker's
+        stage clock)."""
         if not isinstance(body, Mapping):
             raise PromptError("the request body must be a JSON object")
         endpoint = _normalized_path(path)
-        if endpoint == CHAT_PATH:
-            prompt = self.render(body)  # rendered even with token_data: its errors are the frontend's too
+        if endpoint in CHAT_LIKE_PATHS:
+            chat = body
+            if endpoint == anthropic_messages.MESSAGES_PATH:
+                chat = anthropic_messages.chat_body(body, self.strip_anthropic_preamble)
+            elif endpoint == openai_responses.RESPONSES_PATH:
+                chat = openai_responses.chat_body(body)
+            prompt = self.render(chat)  # rendered even with token_data: its errors are the frontend's too
             if lap is not None:
                 lap("template")
             data = self._token_data(body)
@@ -566,8 +583,8 @@ class PromptTokenizer:
         elif endpoint == COMPLETIONS_PATH:
             ids = self._completion_tokens(body)
         else:
-            raise PromptError(f"cannot tokenize a request to {path!r}: only {CHAT_PATH} and "
-                              f"{COMPLETIONS_PATH} carry a prompt")
+            raise Unplaceable("unknown_api", f"the picker finds no prompt in a request to {path!r}: it reads "
+                              f"{', '.join((*CHAT_LIKE_PATHS, COMPLETIONS_PATH))}")
         if self.context_length and len(ids) >= self.context_length:
             raise PromptError(f"This model's maximum context length is {self.context_length} tokens. "
                               f"However, your messages resulted in {len(ids)} tokens. "
@@ -579,7 +596,7 @@ class PromptTokenizer:
         """Whether the frontend tokenizes text for this (valid) request: a chat, or a completion
         whose prompt is a string (alone or as a one-item list), not token ids."""
         endpoint = _normalized_path(path)
-        if endpoint == CHAT_PATH:
+        if endpoint in CHAT_LIKE_PATHS:
             return True
         prompt = body.get("prompt")
         if endpoint != COMPLETIONS_PATH:

@@ -34,6 +34,7 @@ follow-ups sharing a 1,500-token system prompt to another decode worker.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..policy.decision import Route
@@ -52,6 +53,13 @@ CLIENT_ROUTING_NVEXT = ("backend_instance_id", "prefill_worker_id", "decode_work
                         "prefill_dp_rank", "annotations")
 # The header a client names its conversation with (Dynamo's agent_context.session_id).
 SESSION_HEADER = "x-dynamo-session-id"
+# The headers Dynamo 1.6.1's frontend takes a session id from, in its priority
+# (lib/llm/src/protocols/agents.rs ``agent_context_header_values``, observed on the 1.6.1 wheel):
+# its own; Claude Code's (X-Claude-Code-Session-Id on every request, a subagent's
+# x-claude-code-agent-id first: the subagent has its own context); Codex's thread-id; opencode's
+# x-session-id. Codex releases that send only ``session_id`` are not read by Dynamo either.
+AGENT_SESSION_HEADERS = (SESSION_HEADER, "x-claude-code-agent-id", "x-claude-code-session-id", "thread-id",
+                         "x-session-id")
 # The picker's route, for logs and the benchmarks' per-turn accounting; Dynamo ignores it.
 ROUTE_HEADER = "x-ppd-route"
 
@@ -77,6 +85,17 @@ def route_headers(route: Route, prefill: int | None, session_id: str | None = No
         headers[PREFILL_PIN] = str(prefill)
     removed = tuple(h for h in CLIENT_ROUTING_HEADERS if h not in headers)
     return RouteHeaders(headers, removed)
+
+
+def session_from_headers(headers: Mapping[str, str], names: Sequence[str] = AGENT_SESSION_HEADERS
+                         ) -> str | None:
+    """The conversation a request names: the first of ``names`` (lower case) present and not empty
+    in ``headers`` (lower-cased keys, as the gateway sends them), else None."""
+    for name in names:
+        value = headers.get(name)
+        if value:
+            return value
+    return None
 
 
 def without_client_pins(body: dict) -> bool:

@@ -45,8 +45,10 @@ async def serve(configs: tuple[RoutingConfig, PickerConfig]) -> None:
     path, cards = await start_routing(routing)
     frontends = Frontends(picker_config.frontends, picker_config.frontend_refresh_s)
     await frontends.start()
-    picker = Picker(routing, PromptTokenizer.from_model_dir(path), frontends,
-                    send_token_ids=picker_config.send_token_ids, observe_share=picker_config.observe_share)
+    tokenizer = PromptTokenizer.from_model_dir(
+        path, strip_anthropic_preamble=picker_config.strip_anthropic_preamble)
+    picker = Picker(routing, tokenizer, frontends, send_token_ids=picker_config.send_token_ids,
+                    observe_share=picker_config.observe_share, session_headers=picker_config.session_headers)
     if routing.kv_sync is not None and not await routing.kv_sync.settled():
         log.warning("the workers' residency was not rebuilt within 10 s of start; serving anyway "
                     "(follow-ups go through prefill until their decode workers' KV events arrive)")

@@ -84,6 +84,10 @@ class RoutingMetrics:
             registry=self.registry)
         self.errors = Counter("ppd_request_errors", "Requests that ended in an error", ["kind"],
                               registry=self.registry)
+        self.unplaced = Counter(
+            "ppd_requests_unplaced", "Requests the endpoint picker sent to the frontend unrouted (Dynamo's "
+            "own routing placed them): an API it does not read, or a prompt it does not mirror",
+            ["reason"], registry=self.registry)
         # What the policy learned from outcomes (`Routing.observe_outcome`): follow-ups whose TTFT
         # and TPOT it observed, and how far its prediction was off, by route and calibration bucket.
         self.outcomes = Counter("ppd_outcomes_observed",
