@@ -93,6 +93,23 @@ def test_client_measures_known_timings_and_sends_real_history(stub):
     assert o.all_turns.avg_tpot_s == pytest.approx(GAP_S, abs=0.008)  # (e2e - TTFT) / (tokens - 1)
 
 
+def test_an_agent_workloads_shared_system_prompt_opens_every_conversation(stub):
+    from dynamo_ppd.workloads.manifest import ManifestHeader
+
+    manifest = Manifest(header=ManifestHeader(workload="agents", shared_prefix_tokens=40), conversations=[
+        ManifestConversation(f"a{i}", 0.01 * i, [ManifestTurn(max_tokens=2, user_text=f"task {i}"),
+                                                 ManifestTurn(max_tokens=2, user_tokens=3)])
+        for i in range(3)])
+    Stub.seen.clear()
+    results = asyncio.run(run_manifest(stub, manifest))
+    assert len(results) == 6 and all(r.ok for r in results)
+    systems = {b["messages"][0]["content"] for b, _ in Stub.seen}
+    assert len(systems) == 1 and len(next(iter(systems)).split()) > 10  # one prompt, shared by all
+    assert all(b["messages"][0]["role"] == "system" for b, _ in Stub.seen)
+    assert {b["messages"][1]["content"] for b, _ in Stub.seen if len(b["messages"]) == 2} == \
+        {"task 0", "task 1", "task 2"}
+
+
 def test_client_reports_failures():
     manifest = Manifest(header=None, conversations=[
         ManifestConversation("bad", 0.0, [ManifestTurn(max_tokens=2, user_text="x")])])

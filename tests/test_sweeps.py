@@ -29,7 +29,7 @@ from dynamo_ppd.workloads.manifest import context_tokens, dump_manifest
 
 pytestmark = pytest.mark.unit
 
-SWEPT = ("long-context", "many-turn", "agent-32k")
+SWEPT = ("long-context", "many-turn", "agent-32k", "coding-agent")
 
 
 # -- the workloads -------------------------------------------------------------------------------
@@ -52,7 +52,9 @@ def test_swept_workloads_are_named_workloads_deterministic_for_a_seed(name):
     parser = argparse.ArgumentParser()
     policies.add_arguments(parser)
     assert parser.parse_args(["--workloads", name]).workloads == [name]  # selectable in sim compare
-    assert name in parser.parse_args([]).workloads and name in saturation.SWEEPS  # and in its default run
+    assert name in saturation.SWEEPS
+    # In the default run, but the opt-in one (its long sessions cost as much as the rest).
+    assert (name in parser.parse_args([]).workloads) == (name not in saturation.OPT_IN)
 
 
 def test_long_context_is_the_papers_fig1_workload():
@@ -96,6 +98,30 @@ def test_agent_32k_grows_a_long_context_with_tool_outputs_and_short_replies():
     # the context is the simulator's: user tokens, replies and its template tokens
     c = m.conversations[0]
     assert context_tokens(c) == sum(t.user_tokens + t.max_tokens + sim.TEMPLATE_TOKENS for t in c.turns)
+
+
+def test_coding_agent_follows_tracelabs_figures_and_shares_one_system_prompt():
+    m = wl.coding_agent(0.5, 200.0, seed=2)  # ~100 sessions
+    assert m.header is not None and m.header.shared_prefix_tokens == wl.CODING_SHARED_PREFIX
+    contexts = [wl.CODING_SHARED_PREFIX + context_tokens(c) for c in m.conversations]
+    assert max(contexts) <= wl.CODING_CONTEXT_TOKENS
+    assert statistics.median(contexts) > 90_000  # TraceLab: median cached prefix 119K
+    appends = [t.user_tokens for c in m.conversations for t in c.turns if t.think_time_s < 60]
+    assert statistics.median(appends) == pytest.approx(875, rel=0.1)
+    assert 0.85 < sum(a < 1000 for a in appends) / len(appends) < 0.95  # TraceLab: 90% under 1K
+    assert max(appends) > 8_000  # and a heavy tail
+    replies = [t.max_tokens for c in m.conversations for t in c.turns]
+    assert statistics.median(replies) == pytest.approx(214, rel=0.1)
+    gaps = [t.think_time_s for c in m.conversations for t in c.turns[1:]]
+    assert statistics.median(gaps) < 1.0 and max(gaps) > 300  # sub-second tools, human pauses
+    assert dump_manifest(m) == dump_manifest(wl.coding_agent(0.5, 200.0, seed=2))
+    # The simulator's sessions start with the same ids (the shared prompt), then their own.
+    from dynamo_ppd.workloads.manifest import parse_manifest, to_sim
+
+    again = parse_manifest(dump_manifest(m).splitlines())  # the header's field survives a file
+    one, two = (sim.ConversationPrompts(c).next_prompt(c.turns[0])[0] for c in to_sim(again)[:2])
+    shared = sim.TEMPLATE_TOKENS + wl.CODING_SHARED_PREFIX
+    assert one[:shared] == two[:shared] and one[shared:shared + 8] != two[shared:shared + 8]
 
 
 # -- throughput per GPU and the sweep figures ----------------------------------------------------

@@ -189,6 +189,10 @@ async def run_manifest(url: str, manifest: Manifest, model: str | None = None, s
         if model is None:
             model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         text = TokenText(seed)
+        # An agent workload's system prompt, the same for every conversation (the simulator's twin
+        # draws as many shared ids: `sim.conversation.shared_prefix`).
+        shared = manifest.header.shared_prefix_tokens if manifest.header else 0
+        system = [{"role": "system", "content": TokenText(seed + 1_000_003)(shared)}] if shared else []
         results: list[RequestResult] = []
         start = time.monotonic()
 
@@ -202,7 +206,7 @@ async def run_manifest(url: str, manifest: Manifest, model: str | None = None, s
 
         async def conversation(conv: ManifestConversation) -> None:
             session = f"bench-{seed}-{conv.conversation_id}-{time.time_ns()}"
-            messages: list[dict] = []
+            messages: list[dict] = list(system)
             due = conv.arrival_s
             for index, turn in enumerate(conv.turns, start=1):
                 if index > 1:

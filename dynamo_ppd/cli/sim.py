@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "else the cost model; or a table JSON")
     parser.add_argument("--workload", metavar="NAME",
                         help="a named workload (wildchat, sharegpt, long-context, many-turn, agent-32k, "
-                        "turns-N, the paper's small_tiny ...; an unknown name lists them all) "
+                        "coding-agent, turns-N, the paper's small_tiny ...; an unknown name lists them all) "
                         "instead of the synthetic --turns/--first-turn/--follow-up/--think-time shape")
     parser.add_argument("--qps", "--rate", dest="qps", type=positive_float, default=4.0,
                         help="new conversations per second (Poisson); --rate is the same")

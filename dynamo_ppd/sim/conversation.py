@@ -16,6 +16,7 @@ template ids (< 1000).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from typing import Annotated
@@ -75,6 +76,20 @@ class Conversation(msgspec.Struct, frozen=True):
     # The template's token counts; None: the simulator's own (`SIM_TEMPLATE`). `bench compare`'s
     # twin sets the live model's, so its prompts are as long as the ones the live stack prefills.
     template: ChatTemplate | None = None
+    # Ids every conversation of the workload (the same ``seed``) starts its first message with: an
+    # agent's system prompt and tool schemas, which every session shares and a cache can reuse.
+    shared_prefix_tokens: int = 0
+
+
+@functools.lru_cache(maxsize=8)
+def shared_prefix(seed: int, count: int) -> tuple[int, ...]:
+    """The ``count`` ids a workload's conversations share at the start (seeded by the workload's
+    seed alone, so every conversation and every process draws the same)."""
+    if count <= 0:
+        return ()
+    key = hashlib.blake2b(f"{seed}:shared-prefix".encode(), digest_size=16)
+    rng = np.random.default_rng(int.from_bytes(key.digest(), "little"))
+    return tuple(rng.integers(*USER_TOKEN_RANGE, size=count).tolist())
 
 
 class ConversationPrompts:
@@ -105,7 +120,8 @@ class ConversationPrompts:
     def next_prompt(self, turn: Turn) -> tuple[list[int], int]:
         """The next turn's prompt and its number of new tokens (for turn 1, all of them)."""
         if not self._history:
-            prompt = [*self._first, *self._user_tokens(turn.user_tokens), *self._suffix]
+            shared = shared_prefix(self.conversation.seed, self.conversation.shared_prefix_tokens)
+            prompt = [*self._first, *shared, *self._user_tokens(turn.user_tokens), *self._suffix]
         else:
             prompt = [*self._history, *self._next, *self._user_tokens(turn.user_tokens), *self._suffix]
         new_tokens = len(prompt) - len(self._history)

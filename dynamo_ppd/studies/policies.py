@@ -440,11 +440,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="LIST",
                         help="KV link presets of the paper/chat grid (default: intra-node,cross-node)")
     workloads = [*PAPER_WORKLOADS, *CHAT_WORKLOADS, *saturation.SWEEPS]
-    parser.add_argument("--workloads", type=comma_choices("workload", workloads), default=workloads,
+    default = [w for w in workloads if w not in saturation.OPT_IN]
+    parser.add_argument("--workloads", type=comma_choices("workload", workloads), default=default,
                         metavar="LIST",
                         help="the paper's 18 workloads, wildchat, sharegpt (the grid, at --rates) and "
                         f"{', '.join(saturation.SWEEPS)} (swept up to saturation; see --sweep-links) "
-                        f"(default: all {len(workloads)})")
+                        f"(default: all {len(default)} but {', '.join(saturation.OPT_IN)}, whose "
+                        "long sessions cost as much as the rest: name it to run it)")
     parser.add_argument("--rates", type=positive_floats("rates"), default=list(PAPER_QPS), metavar="LIST",
                         help="conversation rates of the grid's workloads (default: the paper's 10); the "
                         "swept workloads climb their own ladders (dynamo_ppd/studies/saturation.py)")

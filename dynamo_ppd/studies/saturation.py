@@ -87,7 +87,13 @@ SWEEPS: dict[str, Sweep] = {
                        timeout_s=CHAT_TIMEOUT_S),
     "agent-32k": Sweep("agent-32k", start_rate=0.25, step=2.0, rungs=6, window_s=30.0,
                        timeout_s=CHAT_TIMEOUT_S),
+    # Coding agents (TraceLab's shapes): sessions of ~50 requests growing to ~100K tokens, with
+    # human pauses of minutes; ~9 CPU s a policy for 60 sessions at 2P2D. Not in `sim compare`'s
+    # default run (`OPT_IN`): its lanes alone would double it.
+    "coding-agent": Sweep("coding-agent", start_rate=0.1, step=2.0, rungs=4, window_s=150.0,
+                          timeout_s=CHAT_TIMEOUT_S),
 }
+OPT_IN = ("coding-agent",)  # swept only when named (`sim compare --workloads ...,coding-agent`)
 
 
 def conversations(workload: str, rate: float, seed: int) -> tuple[list[Conversation], float]:

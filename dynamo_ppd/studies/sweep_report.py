@@ -48,6 +48,10 @@ DESCRIPTIONS = {
                  "tool schemas, task), each follow-up a tool output of median 2,500 / p90 6,000 tokens, "
                  "replies median 80 (tool calls), turns until the context would pass 32,768 tokens "
                  "(~9 turns), tool time exponential with mean 1 s (an idle session's KV stays cached)",
+    "coding-agent": "Claude Code / Codex-like sessions from TraceLab's published distributions: a shared "
+                    "16K-token system prompt, ~9 user requests of ~9 LLM steps, tool outputs median ~860 "
+                    "tokens (90% under 1K, a tail to 32K), replies median 214, sub-second tool gaps with a "
+                    "tail of minutes, human pauses of minutes, contexts up to 131K tokens",
 }
 
 

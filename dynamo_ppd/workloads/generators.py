@@ -364,6 +364,76 @@ def agent_32k(rate_conv_per_s: float, duration_s: float, seed: int = 0,
                   f"context up to {AGENT_CONTEXT_TOKENS}", rate_conv_per_s, duration_s, seed, plan)
 
 
+# --- coding agents (TraceLab) ---------------------------------------------------------------
+# TraceLab (arXiv 2606.30560; github.com/uw-syfi/TraceLab, data CC BY 4.0): 357K LLM rounds of 43
+# developers' Claude Code and Codex sessions (../shared/ppd-brief.md §10). Its figures: a session
+# averages 9.2 user requests (p99 137), each 8.8 LLM steps (10.8 tool calls); a step appends median
+# 875 uncached tokens, 90% of steps under 1K; outputs median 214 tokens; tool calls mostly well under
+# a second (Read p50 36 ms, Edit 95 ms, Bash ~409 ms), 70-88% under 10 s, 3-5% over a minute; a user's
+# next request follows a median ~2 min gap; median cached prefix 119K tokens. The values marked
+# "ours" are not TraceLab's: chosen to meet its figures where it gives only some of a distribution.
+CODING_SHARED_PREFIX = 16_000  # system prompt + tool schemas, sent by every session (ours)
+CODING_CONTEXT_TOKENS = 131_072  # Llama 3.1's window: a session ends there (a client would compact)
+CODING_REQUESTS_MEAN = 9.2  # user requests per session (geometric with TraceLab's mean)
+CODING_REQUESTS_MAX = 137  # TraceLab's p99, as the cap
+CODING_STEPS_MEAN = 8.8  # LLM steps per user request (geometric with TraceLab's mean)
+CODING_TASK = TruncatedLogNormal(median=300, p90=2000, cap=16_000)  # a user's request (ours)
+# A step's tool output: 90% a lognormal under 1K, 10% a heavy tail (files, logs) above it (ours);
+# together: median ~860, 90% under 1K, as TraceLab's.
+CODING_APPEND = TruncatedLogNormal(median=860, p90=985, cap=1_000)
+CODING_APPEND_TAIL = TruncatedLogNormal(median=3_000, p90=12_000, cap=32_000)
+CODING_REPLY = TruncatedLogNormal(median=214, p90=900, cap=4_096)  # TraceLab's median; p90 ours
+# Tool time (s): 85% quick (median 0.3, p90 3), 15% slow (median 20, p90 120): ~89% under 10 s,
+# ~4% over a minute (ours, to TraceLab's shares). A user's next request: median 120 s, p90 600 (ours).
+CODING_TOOL_QUICK, CODING_TOOL_SLOW, CODING_TOOL_SLOW_SHARE = (0.3, 3.0), (20.0, 120.0), 0.15
+CODING_HUMAN_PAUSE = (120.0, 600.0)
+
+
+def _lognormal_s(rng: random.Random, median_p90: tuple[float, float]) -> float:
+    median, p90 = median_p90
+    return round(median * math.exp(math.log(p90 / median) / _Z.inv_cdf(0.9) * rng.gauss(0.0, 1.0)), 3)
+
+
+def coding_agent(rate_conv_per_s: float, duration_s: float, seed: int = 0) -> Manifest:
+    """Claude Code / Codex-like sessions from TraceLab's published distributions (the constants
+    above): every session's first message follows the same `CODING_SHARED_PREFIX`-token system
+    prompt (the manifest's ``shared_prefix_tokens``); then user requests (a task of median 300
+    tokens after a human pause of median 2 min), each a run of LLM steps whose tool outputs (median
+    ~860 tokens, a tail to 32K) come back after sub-second tool gaps with a tail of minutes; replies
+    median 214 tokens. A session ends after its requests, or where the next turn would pass the
+    model's context window (131,072 tokens): long sessions reach ~100K-token contexts."""
+
+    def plan(rng: random.Random) -> list[ManifestTurn]:
+        turns: list[ManifestTurn] = []
+        context = CODING_SHARED_PREFIX
+        requests = min(CODING_REQUESTS_MAX, _geometric(rng, CODING_REQUESTS_MEAN))
+        for request in range(requests):
+            steps = _geometric(rng, CODING_STEPS_MEAN)
+            for step in range(steps):
+                if step == 0:
+                    user = CODING_TASK.sample(rng)
+                    pause = _lognormal_s(rng, CODING_HUMAN_PAUSE) if request else 0.0
+                else:
+                    tail = rng.random() < 0.1
+                    user = (CODING_APPEND_TAIL if tail else CODING_APPEND).sample(rng)
+                    slow = rng.random() < CODING_TOOL_SLOW_SHARE
+                    pause = _lognormal_s(rng, CODING_TOOL_SLOW if slow else CODING_TOOL_QUICK)
+                reply = CODING_REPLY.sample(rng)
+                grown = context + user + reply + sim.TEMPLATE_TOKENS
+                if grown > CODING_CONTEXT_TOKENS and turns:
+                    return turns
+                turns.append(ManifestTurn(reply, user_tokens=user, think_time_s=pause))
+                context = grown
+        return turns
+
+    manifest = _build("coding-agent", f"coding agents (TraceLab): a shared {CODING_SHARED_PREFIX}-token "
+                      "system prompt, ~9 requests of ~9 steps, appends ~860, replies ~214 tokens",
+                      rate_conv_per_s, duration_s, seed, plan)
+    assert manifest.header is not None  # (`_build` always writes one)
+    header = msgspec.structs.replace(manifest.header, shared_prefix_tokens=CODING_SHARED_PREFIX)
+    return Manifest(header, manifest.conversations)
+
+
 # --- a real ShareGPT file -------------------------------------------------------------------
 
 _HUMAN = {"human", "user"}
@@ -449,6 +519,7 @@ WORKLOADS: dict[str, Callable[..., Manifest]] = {
     "wildchat": wildchat_like,
     "many-turn": many_turn,
     "agent-32k": agent_32k,
+    "coding-agent": coding_agent,
 }
 """Every named workload, called as ``(rate_conv_per_s, duration_s, seed=0) -> Manifest``."""
 

@@ -96,6 +96,9 @@ class ManifestHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rate_conv_per_s: float | None = None
     duration_s: float | None = None
     protocol: ManifestProtocol | None = None
+    # A system prompt (and tool schemas) of this many tokens that every conversation's first message
+    # follows, the same for all: an agent's. 0: none.
+    shared_prefix_tokens: Annotated[int, Meta(ge=0)] = 0
 
 
 def approx_tokens(text: str) -> int:
@@ -255,9 +258,10 @@ def to_sim(manifest: Manifest, count_tokens: TokenCounter | None = None,
     simulated user tokens; ``template``: the chat template's token counts (None: the
     simulator's own)."""
     seed = manifest.header.seed if manifest.header else 0
+    shared = manifest.header.shared_prefix_tokens if manifest.header else 0
     return [sim.Conversation(c.conversation_id, c.arrival_s,
                              [sim.Turn(turn_user_tokens(t, count_tokens), t.max_tokens, t.think_time_s)
-                              for t in c.turns], seed=seed, template=template)
+                              for t in c.turns], seed=seed, template=template, shared_prefix_tokens=shared)
             for c in manifest.conversations]
 
 
