@@ -321,11 +321,15 @@ def test_a_request_the_picker_cannot_place_goes_to_the_frontend_unrouted_and_is_
     picker = Picker(routing, _Unplaceable(), ["127.0.0.1:8001"])  # type: ignore[arg-type]
     body = json.dumps({"input": "hi"}).encode()
     picked = asyncio.run(picker.pick({}, body, "/v1/embeddings"))
-    assert (picked.endpoint, picked.set_headers, picked.remove_headers, picked.body, picked.turn) == \
-        ("127.0.0.1:8001", {}, (), None, None)
+    assert (picked.endpoint, picked.set_headers, picked.body, picked.turn) == \
+        ("127.0.0.1:8001", {}, None, None)
+    assert "x-dynamo-prefill-instance-id" in picked.remove_headers  # a client's own pins go
+    with_pin = json.dumps({"input": "hi", "nvext": {"backend_instance_id": 3}}).encode()
+    pinned = asyncio.run(picker.pick({}, with_pin, "/v1/embeddings"))
+    assert json.loads(pinned.body) == {"input": "hi", "nvext": {}}
     unplaced = {s.labels["reason"]: s.value for s in routing.metrics.unplaced.collect()[0].samples
                 if s.name.endswith("_total")}
-    assert unplaced == {"unknown_api": 1.0}
+    assert unplaced == {"unknown_api": 2.0}
     # Bad JSON is still refused before any work, on any path.
     with pytest.raises(Refusal):
         asyncio.run(picker.pick({}, b"{nope", "/v1/embeddings"))

@@ -40,7 +40,13 @@ from .frontends import Frontends
 from .messages import MESSAGES_PATH
 from .outcomes import DEFAULT_OBSERVE_SHARE, AnswerWatch
 from .prompt import PromptError, PromptTokenizer
-from .route import AGENT_SESSION_HEADERS, route_headers, session_from_headers, without_client_pins
+from .route import (
+    AGENT_SESSION_HEADERS,
+    CLIENT_ROUTING_HEADERS,
+    route_headers,
+    session_from_headers,
+    without_client_pins,
+)
 from .stages import StageClock
 
 log = logging.getLogger("dynamo_ppd.picker")
@@ -137,7 +143,10 @@ class Picker:
             endpoint = self.frontend(subset)
             self.routing.metrics.unplaced.labels(exc.reason).inc()
             log.debug("unrouted (%s): %s", exc.reason, exc)
-            return Pick(endpoint, {}, (), None)
+            # Unrouted, but not the client's to route either: its own pins go, as on any request.
+            pinned = without_client_pins(request)
+            return Pick(endpoint, {}, CLIENT_ROUTING_HEADERS,
+                        msgspec.json.encode(request) if pinned else None)
         max_tokens = (request.get("max_completion_tokens") or request.get("max_tokens")
                       or request.get("max_output_tokens"))  # (the last: the Responses API's)
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
