@@ -170,6 +170,45 @@ def test_the_watch_counts_tokens_from_the_usage_else_the_events():
     assert _sample(routing.metrics, "ppd_outcomes_observed_total", route="decode_local") == 1
 
 
+def _sse(kind: str, data: dict) -> bytes:
+    compact = json.dumps(data, separators=(",", ":"))  # as serde writes it
+    return f"event: {kind}\ndata: {compact}\n\n".encode()
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_the_watch_reads_the_agent_apis_event_streams(api):
+    """Anthropic's content_block_delta and the Responses API's output_text.delta carry the tokens;
+    their usage gives output_tokens (the Responses API's inside its response object)."""
+    clock = iter([0.20, 0.25, 0.30, 0.40, 0.41, 0.42, 0.43]).__next__
+    routing = _picker()[0].routing
+    watch = AnswerWatch(routing, _pick().turn, picked_at=0.0, clock=clock)  # type: ignore[arg-type]
+    if api == "messages":
+        head = [_sse("message_start", {"type": "message_start", "message": {
+                    "content": [], "usage": {"input_tokens": 900, "output_tokens": 1}}}),
+                _sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                               "content_block": {"type": "text", "text": ""}})]
+        tokens = [_sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                 "delta": {"type": "text_delta", "text": t}}) for t in "abcd"]
+        tail = [_sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                                         "usage": {"output_tokens": 4}}),
+                _sse("message_stop", {"type": "message_stop"})]
+    else:
+        head = [_sse("response.created", {"type": "response.created", "response": {
+                    "text": {"format": {"type": "text"}}, "output": [], "usage": None}})]
+        tokens = [_sse("response.output_text.delta", {"type": "response.output_text.delta", "delta": t})
+                  for t in "abcd"]
+        tail = [_sse("response.completed", {"type": "response.completed", "response": {
+                    "usage": {"input_tokens": 900, "output_tokens": 4, "total_tokens": 904}}})]
+    for chunk in head + tokens + tail:
+        watch.chunk(chunk, False)
+    watch.chunk(b"", True)
+    last = routing.last_observed
+    assert last is not None
+    assert last.ttft_error == pytest.approx(0.20 / PREDICTED.ttft_s - 1)  # the first delta, not a header
+    assert last.tpot_error == pytest.approx((0.40 - 0.20) / 3 / PREDICTED.tpot_s - 1)  # 4 tokens, usage's
+
+
 @pytest.mark.parametrize("case", ["first turn", "not sampled", "5xx", "not streamed", "rehomed", "sampled"])
 def test_the_body_is_asked_for_only_for_a_sampled_streamed_follow_up(case):
     picker, seen = _picker(share=0.0 if case == "not sampled" else 1.0)

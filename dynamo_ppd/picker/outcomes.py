@@ -16,8 +16,8 @@ Envoy ignores overrides) has every follow-up watched: the picker echoes those ch
 does, and reading one by its bytes costs ~2 us (a 250-byte chunk, `AnswerWatch.chunk`).
 
 `AnswerWatch` reads each chunk by its bytes only, never as JSON: TTFT is from the pick (the route
-going out) to the first chunk carrying a token (``"content":"x``, ``"text":"x``: a non-empty
-string); TPOT is from that chunk to the last one carrying a token, over the completion tokens
+going out) to the first chunk carrying a token (``"content":"x``, ``"text":"x``, ``"delta":"x``: a
+non-empty string, in any of the four APIs' streams); TPOT is from that chunk to the last one carrying a token, over the completion tokens
 less one. Those come from the stream's usage (the one chunk holding ``"usage":{``, parsed once at
 the end; Dynamo's frontend sends it last when the client asks for ``stream_options.include_usage``),
 else they are the SSE events counted in the chunks that carried tokens. An answer that ends
@@ -41,22 +41,27 @@ if TYPE_CHECKING:
 # 245 and 273 us of CPU per answer token with every follow-up watched against 73 and 77 with none
 # (~230 us per watched token), so 0.01 adds ~2 us a token, within the runs' noise.
 DEFAULT_OBSERVE_SHARE = 0.01
-# A token's text in a chunk: chat completions' delta content (reasoning_content too) or
-# completions' text, a non-empty JSON string.
-TOKEN = re.compile(rb'(?:content|text)":"[^"]')
+# A token's text in a chunk, a non-empty JSON string: chat completions' delta content
+# (reasoning_content too), completions' text, the Anthropic API's text_delta ``"text"``, the
+# Responses API's ``response.output_text.delta`` ``"delta"``.
+TOKEN = re.compile(rb'(?:content|text|delta)":"[^"]')
 USAGE = b'"usage":{'
 EVENT = b"data:"
 
 
 def completion_tokens(chunk: bytes) -> int | None:
-    """``usage.completion_tokens`` of the SSE event in ``chunk`` that carries a usage object."""
+    """The completion tokens of the SSE event in ``chunk`` that carries a usage object: chat's
+    ``usage.completion_tokens``, the Anthropic API's ``usage.output_tokens`` (``message_delta``),
+    the Responses API's ``response.usage.output_tokens`` (``response.completed``)."""
     for line in chunk.split(b"\n"):
         if USAGE in line and line.startswith(EVENT):
             try:
-                usage = json.loads(line[len(EVENT):]).get("usage") or {}
+                event = json.loads(line[len(EVENT):])
+                usage = event.get("usage") or (event.get("response") or {}).get("usage") or {}
             except (ValueError, AttributeError):
                 return None
-            tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+            tokens = (usage.get("completion_tokens", usage.get("output_tokens"))
+                      if isinstance(usage, dict) else None)
             return tokens if isinstance(tokens, int) and tokens >= 0 else None
     return None
 
