@@ -17,10 +17,11 @@ does, and reading one by its bytes costs ~2 us (a 250-byte chunk, `AnswerWatch.c
 
 `AnswerWatch` reads each chunk by its bytes only, never as JSON: TTFT is from the pick (the route
 going out) to the first chunk carrying a token (``"content":"x``, ``"text":"x``, ``"delta":"x``: a
-non-empty string, in any of the four APIs' streams); TPOT is from that chunk to the last one carrying a token, over the completion tokens
-less one. Those come from the stream's usage (the one chunk holding ``"usage":{``, parsed once at
-the end; Dynamo's frontend sends it last when the client asks for ``stream_options.include_usage``),
-else they are the SSE events counted in the chunks that carried tokens. An answer that ends
+non-empty string, in any of the four APIs' streams); TPOT is from that chunk to the last one
+carrying a token, over the completion tokens less one. Those come from the stream's usage (the last
+chunk holding ``"usage":{``, parsed once at the end; Dynamo's frontend sends it last when a chat
+client asks for ``stream_options.include_usage``, and always on the agent APIs), else they are the
+SSE events counted in the chunks that carried tokens. An answer that ends
 without its end of stream (cut, cancelled) teaches nothing.
 """
 
