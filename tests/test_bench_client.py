@@ -45,14 +45,31 @@ class Stub(BaseHTTPRequestHandler):
         self.send_header("content-type", "text/event-stream")
         self.send_header("connection", "close")
         self.end_headers()
+        anthropic = self.path == "/v1/messages"  # the Messages API's events, as Dynamo streams them
+        if anthropic:
+            self._event("message_start", {"type": "message_start", "message": {
+                "content": [], "usage": {"input_tokens": 11, "output_tokens": 0}}})
         time.sleep(FIRST_TOKEN_S)
         for i in range(request["max_tokens"]):
             if i:
                 time.sleep(GAP_S)
+            if anthropic:
+                self._event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                    "delta": {"type": "text_delta", "text": f" t{i}"}})
+                continue
             chunk = {"choices": [{"index": 0, "delta": {"content": f" t{i}"}}]}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
             self.wfile.flush()
+        if anthropic:
+            self._event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                                          "usage": {"output_tokens": request["max_tokens"]}})
+            self._event("message_stop", {"type": "message_stop"})
+            return
         self.wfile.write(b"data: [DONE]\n\n")
+
+    def _event(self, kind: str, data: dict) -> None:
+        self.wfile.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
+        self.wfile.flush()
 
 
 @pytest.fixture
@@ -108,6 +125,25 @@ def test_an_agent_workloads_shared_system_prompt_opens_every_conversation(stub):
     assert all(b["messages"][0]["role"] == "system" for b, _ in Stub.seen)
     assert {b["messages"][1]["content"] for b, _ in Stub.seen if len(b["messages"]) == 2} == \
         {"task 0", "task 1", "task 2"}
+
+
+def test_the_client_speaks_the_anthropic_messages_api(stub):
+    from dynamo_ppd.workloads.manifest import ManifestHeader
+
+    manifest = Manifest(header=ManifestHeader(workload="agents", shared_prefix_tokens=20), conversations=[
+        ManifestConversation("m1", 0.0, [ManifestTurn(max_tokens=5, user_text="hello"),
+                                         ManifestTurn(max_tokens=3, user_tokens=4, think_time_s=0.05)])])
+    Stub.seen.clear()
+    results = sorted(asyncio.run(run_manifest(stub, manifest, api="messages")), key=lambda r: r.turn)
+    assert [r.ok for r in results] == [True, True] and [r.output_tokens for r in results] == [5, 3]
+    assert results[0].ttft_s == pytest.approx(FIRST_TOKEN_S, abs=0.03)
+    assert results[0].tpot_s == pytest.approx(GAP_S, abs=0.008)
+    first, second = (body for body, _ in Stub.seen)
+    assert set(first) == {"model", "max_tokens", "stream", "messages", "system"}  # no chat-only fields
+    assert first["system"] == second["system"] and first["messages"] == [{"role": "user", "content": "hello"}]
+    assert second["messages"][1] == {"role": "assistant", "content": " t0 t1 t2 t3 t4"}
+    with pytest.raises(ValueError, match="unknown api"):
+        asyncio.run(run_manifest(stub, manifest, api="grpc"))
 
 
 def test_client_reports_failures():

@@ -104,14 +104,40 @@ class ChatStream:
         return self.stamps[0] - self.sent if self.stamps else None
 
 
+APIS = ("chat", "messages")  # what the client speaks: chat completions, the Anthropic Messages API
+_PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}
+
+
+def _messages_event(chunk: dict, out: ChatStream) -> None:
+    """One event of an Anthropic Messages stream, as Dynamo's frontend sends them
+    (``content_block_delta`` text, ``message_delta`` with the stop reason and the output usage)."""
+    kind = chunk.get("type")
+    if kind == "content_block_delta":
+        text = (chunk.get("delta") or {}).get("text")
+        if text:
+            out.stamps.append(time.monotonic())
+            out.text += text
+    elif kind == "message_delta":
+        usage = chunk.get("usage") or {}
+        if isinstance(usage.get("output_tokens"), int):
+            out.usage = {**(out.usage or {}), "completion_tokens": usage["output_tokens"]}
+        out.finish_reason = (chunk.get("delta") or {}).get("stop_reason") or out.finish_reason
+    elif kind == "message_start":
+        usage = (chunk.get("message") or {}).get("usage") or {}
+        if isinstance(usage.get("input_tokens"), int):
+            cached = usage.get("cache_read_input_tokens") or 0
+            out.usage = {**(out.usage or {}), "prompt_tokens": usage["input_tokens"] + cached}
+
+
 async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, session: str, timeout_s: float,
-                      stop_at_error: bool = True, body_chars: int = 200) -> ChatStream:
-    """POST ``body`` (``"stream": True``) to ``url``'s chat completions with the session header
-    and read the server-sent events to the end (or, with ``stop_at_error``, to the first error
-    chunk). An HTTP error, a failed connection or a garbled line is recorded, not raised."""
+                      stop_at_error: bool = True, body_chars: int = 200, api: str = "chat") -> ChatStream:
+    """POST ``body`` (``"stream": True``) to ``url``'s chat completions (``api`` "messages": the
+    Anthropic Messages API) with the session header and read the server-sent events to the end
+    (or, with ``stop_at_error``, to the first error chunk). An HTTP error, a failed connection or a
+    garbled line is recorded, not raised."""
     out = ChatStream(time.monotonic())
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s,
+        async with client.stream("POST", f"{url}{_PATHS[api]}", json=body, timeout=timeout_s,
                                  headers={"x-dynamo-session-id": session}) as response:
             if response.status_code != 200:
                 out.http_error = f"HTTP {response.status_code}: {(await response.aread())[:body_chars]!r}"
@@ -126,6 +152,9 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, session: 
                     out.error_chunk = str(chunk["error"])
                     if stop_at_error:
                         break
+                    continue
+                if api == "messages":
+                    _messages_event(chunk, out)
                     continue
                 out.usage = chunk.get("usage") or out.usage
                 for choice in chunk.get("choices", []):
@@ -151,14 +180,28 @@ def chat_body(model: str, messages: list[dict], max_tokens: int,
     return body
 
 
+def messages_body(model: str, messages: list[dict], max_tokens: int) -> dict:
+    """The same turn as an Anthropic Messages request: system messages as ``system``. The API has
+    no ``ignore_eos``: the simulated workers answer ``max_tokens`` tokens whatever they sample,
+    real ones may stop sooner (the results count the tokens that came)."""
+    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    body: dict = {"model": model, "max_tokens": max_tokens, "stream": True,
+                  "messages": [m for m in messages if m["role"] != "system"]}
+    if system:
+        body["system"] = system
+    return body
+
+
 async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,
                       session: str, annotations: tuple[str, ...] = (), timeout_s: float = CHAT_TIMEOUT_S,
-                      usage: dict | None = None,
+                      usage: dict | None = None, api: str = "chat",
                       ) -> tuple[float | None, float | None, list[float], str, str | None]:
-    """(TTFT, e2e, gaps between content chunks, text, error) of one streamed chat completion,
-    in wall seconds; the stream's usage (token counts) goes into ``usage`` when given."""
-    out = await stream_chat(client, url, chat_body(model, messages, max_tokens, annotations), session,
-                            timeout_s)
+    """(TTFT, e2e, gaps between content chunks, text, error) of one streamed chat completion (or
+    Anthropic message, ``api``), in wall seconds; the stream's usage (token counts) goes into
+    ``usage`` when given."""
+    body = (messages_body(model, messages, max_tokens) if api == "messages"
+            else chat_body(model, messages, max_tokens, annotations))
+    out = await stream_chat(client, url, body, session, timeout_s, api=api)
     if usage is not None and out.usage:
         usage.update(out.usage)
     if out.http_error is not None:
@@ -176,12 +219,15 @@ async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages:
 async def run_manifest(url: str, manifest: Manifest, model: str | None = None, seed: int = 0,
                        on_result: Callable[[RequestResult], None] | None = None,
                        max_connections: int = 512, dilation: float = 1.0,
-                       horizon_s: float | None = None) -> list[RequestResult]:
+                       horizon_s: float | None = None, api: str = "chat") -> list[RequestResult]:
     """Play the manifest against ``url`` (OpenAI base URL); return every request's result. With
     ``dilation`` N the schedule runs N times slower and the times recorded are divided by N (the
-    workers must run at ``--speedup 1/N``); ``horizon_s`` cuts the run (model seconds)."""
+    workers must run at ``--speedup 1/N``); ``horizon_s`` cuts the run (model seconds); ``api``:
+    chat completions, or "messages", the Anthropic Messages API (`APIS`)."""
     if not dilation > 0:
         raise ValueError(f"dilation must be positive, not {dilation}")
+    if api not in APIS:
+        raise ValueError(f"unknown api {api!r}; choose one of {', '.join(APIS)}")
     url = url.rstrip("/")
     n = dilation
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
@@ -221,7 +267,7 @@ async def run_manifest(url: str, manifest: Manifest, model: str | None = None, s
                 try:
                     ttft, e2e, gaps, reply, error = await chat_stream(
                         client, url, model, messages, turn.max_tokens, session, timeout_s=CHAT_TIMEOUT_S * n,
-                        usage=usage)
+                        usage=usage, api=api)
                 except asyncio.CancelledError:  # the horizon: in flight, neither success nor failure
                     record(RequestResult(conv.conversation_id, index, due, sent, sent - due, None, None,
                                          0, [], False, None, cut=True))

@@ -52,7 +52,7 @@ from ..sim.cluster import parse_config
 from ..workloads.manifest import Manifest, load_manifest, scale_arrivals
 from . import results as res
 from . import routes, sizing
-from .client import run_manifest
+from .client import APIS, run_manifest
 from .cpu import CpuMeter
 
 SYSTEMS = ("agg", "pd", "cond-disagg", "local", "ppd", "local-relay", "ppd-relay")
@@ -152,7 +152,7 @@ def speedup_args(graph: str, dilation: float) -> dict[str, list[str]]:
 
 def play(url: str, system: str, workload: str, rate: float, manifest: Manifest, seed: int,
          dilation: float = 1.0, horizon_s: float | None = None, meter: CpuMeter | None = None,
-         **extra) -> res.Point:
+         api: str = "chat", **extra) -> res.Point:
     label = f"{system} {workload} @ {rate:g} conv/s" + (f" (dilation {dilation:g})" if dilation != 1 else "")
     progress = Progress(sum(len(c.turns) for c in manifest.conversations), f"  {label}", "requests",
                         every_s=30.0)
@@ -160,7 +160,8 @@ def play(url: str, system: str, workload: str, rate: float, manifest: Manifest, 
     if meter is not None:
         meter.start()
     results = asyncio.run(run_manifest(url, manifest, seed=seed, dilation=dilation, horizon_s=horizon_s,
-                                       on_result=lambda r: progress.step(failed=not r.ok and not r.cut)))
+                                       on_result=lambda r: progress.step(failed=not r.ok and not r.cut),
+                                       api=api))
     cores = meter.stop() if meter is not None else {}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     progress.close()
@@ -195,7 +196,7 @@ def compare(systems: list[str], workload: str | None, manifest_path: Path | None
             config: str, out_dir: Path, seed: int = 0, conversations: int = 200,
             max_conversations: int = 2000, size: bool = True, dilation: list[float] | None = None,
             cut_after_s: float | None = None, point_budget_s: float | None = None,
-            simulate: bool = True, gateway: bool = True) -> res.BenchResults:
+            simulate: bool = True, gateway: bool = True, api: str = "chat") -> res.BenchResults:
     dilations = per_rate(dilation, rates)
     if size and not simulate:
         raise ValueError("sizing points needs the simulation (drop --no-simulate or pass --no-size)")
@@ -234,7 +235,7 @@ def compare(systems: list[str], workload: str | None, manifest_path: Path | None
                     sim = (sizing.simulate_manifest(system, config, sized.manifest, sized.horizon_s, seed)
                            if simulate else None)
                     point = play(dep.base_url, system, name, rate, sized.manifest, seed, n_dil,
-                                 sized.horizon_s, meter, note=sized.note,
+                                 sized.horizon_s, meter, api=api, note=sized.note,
                                  sim_samples=sim.samples if sim else None,
                                  sim_outcome=sim.outcome if sim else None,
                                  sim_routes=sim.routes if sim else None)
@@ -310,6 +311,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--qps", type=positive_floats("rates"), default=[1.0],
                        help="conversation arrival rates, e.g. 1,4,8")
         p.add_argument("--seed", type=int, default=0, help="workload seed")
+        p.add_argument("--api", choices=APIS, default="chat",
+                       help="what the client speaks: chat (/v1/chat/completions) or messages (the "
+                       "Anthropic Messages API, /v1/messages, as Claude Code does; the graphs serve it)")
         p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
         workers = ("the simulated workers and router run at --speedup 1/N" if name == "compare"
                    else "start the endpoint's simulated workers with --speedup 1/N")
@@ -370,12 +374,13 @@ def main(args: argparse.Namespace) -> int:
             compare(args.systems, args.workload, args.manifest, args.qps, args.config, args.out, args.seed,
                     conversations=args.conversations, max_conversations=args.max_conversations,
                     size=args.size, dilation=args.dilation, cut_after_s=args.cut_after,
-                    point_budget_s=args.point_budget, simulate=args.simulate, gateway=args.gateway)
+                    point_budget_s=args.point_budget, simulate=args.simulate, gateway=args.gateway,
+                    api=args.api)
             return 0
         name, runs = manifests(args.workload, args.manifest, args.qps, args.duration, args.seed)
         dilations = per_rate(args.dilation, args.qps)
         points = [play(args.url, args.system, name, rate, manifest, args.seed, n_dil,
-                       sizing.horizon(manifest, args.cut_after))
+                       sizing.horizon(manifest, args.cut_after), api=args.api)
                   for (rate, manifest), n_dil in zip(runs, dilations, strict=True)]
         write(res.BenchResults(version=res.RESULTS_VERSION, config="external", points=points), args.out)
         return 0
