@@ -38,6 +38,9 @@ def agent_messages(steps: int) -> list[dict]:
 CASES: list[tuple[str, str | None, str, dict]] = [
     ("messages_string_system", None, MESSAGES, {
         "system": SYSTEM, "messages": [{"role": "user", "content": "Which files changed?"}]}),
+    ("messages_empty_string_user", None, MESSAGES, {
+        "messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ok"},
+                     {"role": "user", "content": ""}]}),
     ("messages_system_blocks_and_billing_line", None, MESSAGES, {
         "system": [_text(BILLING), _text(SYSTEM), _text("Repository: harbour.")],
         "messages": [{"role": "user", "content": [_text("Run "), _text(""), _text("the tests.")]}]}),

@@ -250,6 +250,8 @@ def chat_body(body: Mapping[str, Any], strip_preamble: bool = True) -> dict[str,
         role, content = message.get("role"), message.get("content")
         if role == "system" and isinstance(content, str):
             messages.append({"role": "system", "content": content})
+        elif role == "user" and isinstance(content, str):
+            messages.append({"role": "user", "content": content})
         elif role == "user":
             _user(_blocks(content, where), where, messages)
         elif role == "assistant":
