@@ -10,8 +10,13 @@ import pytest
 
 from dynamo_ppd.bench import picker_path
 from dynamo_ppd.bench.picker_path_load import (
+    AGENT_FIRST_TURN,
+    AGENT_FOLLOW_UP,
+    AGENT_SESSION_HEADER,
+    AGENT_SESSIONS,
     ASSISTANT_WORDS,
     FOLLOW_UP_WORDS,
+    AgentTurns,
     Conversation,
     FirstTurns,
     FollowUps,
@@ -88,6 +93,42 @@ def test_each_follow_up_continues_its_conversations_last_request():
         assert _header(later, "x-dynamo-session-id") == later.group
         assert later.prompt_tokens > earlier.prompt_tokens
     assert [m["role"] for m in json.loads(sent[0].body)["messages"]] == ["user", "assistant", "user"]
+
+
+@pytest.mark.unit
+def test_agent_follow_ups_extend_loops_the_picker_saw_a_step_before():
+    source = AgentTurns(AGENT_FOLLOW_UP, "m", _Words())  # type: ignore[arg-type]
+    primed = {r.group: json.loads(r.body) for r in source.prime()}
+    assert len(primed) == AGENT_SESSIONS
+    sent = [source.next() for _ in range(2 * AGENT_SESSIONS)]
+    assert [r.group for r in sent[:AGENT_SESSIONS]] == [r.group for r in sent[AGENT_SESSIONS:]]
+    for request in sent:
+        body = json.loads(request.body)
+        before = primed[request.group]
+        assert body["messages"][:len(before["messages"])] == before["messages"]  # one step more
+        assert [m["role"] for m in body["messages"][len(before["messages"]):]] == ["assistant", "user"]
+        assert body["messages"][-1]["content"][0]["type"] == "tool_result"
+        assert body["system"] == before["system"] and body["tools"] == before["tools"]
+        assert _header(request, ":path") == "/v1/messages"
+        assert _header(request, AGENT_SESSION_HEADER) == request.group
+        primed[request.group] = body
+    last = json.loads(sent[-1].body)
+    words = len(last["system"].split()) + sum(
+        len(m["content"].split()) if isinstance(m["content"], str) else
+        sum(len((b.get("text") or b.get("content") or "").split()) for b in m["content"])
+        for m in last["messages"])
+    assert 90_000 < words < 110_000
+
+
+@pytest.mark.unit
+def test_agent_first_turns_share_the_system_prompt_in_fresh_sessions():
+    source = AgentTurns(AGENT_FIRST_TURN, "m", _Words())  # type: ignore[arg-type]
+    (first,) = source.prime()
+    a, b = source.next(), source.next()
+    bodies = [json.loads(r.body) for r in (first, a, b)]
+    assert len({body["system"] for body in bodies}) == 1 and len(bodies[0]["system"].split()) == 20_000
+    assert len({body["messages"][0]["content"] for body in bodies}) == 3  # each session its own task
+    assert len({r.group for r in (first, a, b)}) == 3
 
 
 @pytest.mark.unit
@@ -250,6 +291,7 @@ def test_the_command_line_defaults_and_the_ladders():
     assert picker_path.ladder("follow-up", args) == [1, 50, 200, 500, 750, 1000, 1500, 2000]
     assert picker_path.ladder("first-2k", args) == [1, 50, 200, 500]
     assert picker_path.ladder("first-100k", args) == [1, 20]
+    assert picker_path.ladder("agent-follow-up-100k", args) == [1, 20]
     assert picker_path.point_size(1, args) == (1, 10)  # at least --min-requests
     assert picker_path.point_size(200, args) == (100, 800)
     assert picker_path.point_size(2000, args) == (1000, 2000)  # at most --max-requests

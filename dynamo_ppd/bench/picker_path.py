@@ -28,7 +28,11 @@ How:
      the conversation's next follow-up appends a short assistant message and another user
      message, so each continues the history the picker recorded. Conversations take turns, so a
      history grows by ~60 tokens each time its turn comes round: the report gives each point's
-     mean prompt size.
+     mean prompt size;
+   - ``agent-follow-up-100k`` and ``agent-first-20k`` (`picker_path_load.AgentTurns`): agent
+     traffic over ``/v1/messages`` as Claude Code sends it, with its session header: a tool loop's
+     next step on a ~100K-token context whose turn before the picker has seen, and a new
+     session's first request sharing a 20K-token system prompt and tools the picker has seen.
    Open loop: requests leave at evenly spaced times at the target rate, whether earlier ones
    were answered or not; the first ``--warmup`` seconds of each point are left out of its
    figures. A kind climbs its rates until a point is not sustained (achieved < 95% of its rate,
@@ -67,9 +71,11 @@ from ..argtypes import cli_error, comma_choices, positive_int, positive_seconds
 from ..picker.prompt import ENCODE_CACHE_PIECES
 from .client import TokenText
 from .picker_path_load import (
+    AGENT_KINDS,
     FIRST_MESSAGE_TOKENS,
     FIRST_TURNS,
     MAX_TOKENS,
+    AgentTurns,
     Conversation,
     Driver,
     FirstTurns,
@@ -97,7 +103,8 @@ from .picker_path_report import (
 from .picker_path_report import load as load_report
 
 LARGE_FIRST_TURNS = ("first-32k", "first-100k")  # too slow to pick for the ordinary rates: --large-rates
-KINDS = (FOLLOW_UP, *FIRST_TURNS)  # in the order they run: follow-ups first, on the warm-up's state
+# In the order they run: follow-ups first, on the warm-up's state; the agent kinds last (/v1/messages).
+KINDS = (FOLLOW_UP, *FIRST_TURNS, *AGENT_KINDS)
 # The picker's refusal of a prompt too long: the context window, or the largest decode KV cache.
 _LIMIT = re.compile(r"maximum context length is (\d+) tokens|KV cache holds \((\d+) tokens\)")
 
@@ -125,7 +132,7 @@ def ladder(kind: str, args: argparse.Namespace) -> list[float]:
     """The rates a kind climbs (open loop)."""
     if kind == FOLLOW_UP:
         return sorted({*args.rates, *args.follow_up_rates})
-    return list(args.large_rates if kind in LARGE_FIRST_TURNS else args.rates)
+    return list(args.large_rates if kind in (*LARGE_FIRST_TURNS, *AGENT_KINDS) else args.rates)
 
 
 def point_size(rate: float, args: argparse.Namespace) -> tuple[int, int]:
@@ -154,6 +161,19 @@ async def fitting_first_turn(driver: Driver, source: FirstTurns, notes: list[str
     notes.append(f"{source.kind}: not measured, the picker refused it: {(error or '')[:200]}")
     say(notes[-1])
     return False
+
+
+async def primed(driver: Driver, source: AgentTurns, notes: list[str], say: Callable[[str], None]) -> bool:
+    """Send what the picker would have seen before an agent kind's requests (`AgentTurns.prime`);
+    False, noted, when it refuses one."""
+    for request in source.prime():
+        _, _, error = await driver.send(request)
+        if error is not None:
+            notes.append(f"{source.kind}: not measured, the picker refused its priming request: "
+                         f"{error[:200]}")
+            say(notes[-1])
+            return False
+    return True
 
 
 @dataclass
@@ -211,7 +231,11 @@ async def run_points(dep, args: argparse.Namespace, say: Callable[[str], None]
     try:
         for kind in [k for k in KINDS if k in args.kinds]:
             if kind == FOLLOW_UP:
-                source: FollowUps | FirstTurns = FollowUps(conversations, dep.model_name, text)
+                source: FollowUps | FirstTurns | AgentTurns = FollowUps(conversations, dep.model_name, text)
+            elif kind in AGENT_KINDS:
+                source = AgentTurns(kind, dep.model_name, text)
+                if not await primed(run.driver, source, notes, say):
+                    continue
             else:
                 source = FirstTurns(kind, FIRST_TURNS[kind], dep.model_name, text)
                 if not await fitting_first_turn(run.driver, source, notes, say):
@@ -327,7 +351,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="further follow-up rates, climbed while each is sustained with p99 path within "
         "--p99-limit-ms; none: no more (default 750,1000,1500,2000)")
     add("--large-rates", type=_rates, default=[1.0, 20.0], metavar="R,R",
-        help=f"requests/s of the {' and '.join(LARGE_FIRST_TURNS)} first turns (default 1,20)")
+        help=f"requests/s of the {' and '.join(LARGE_FIRST_TURNS)} first turns and of the agent kinds "
+        f"({', '.join(AGENT_KINDS)}) (default 1,20)")
     add("--duration", type=positive_seconds, default=4.0, metavar="SECONDS",
         help="seconds of measured requests per point, within --min-requests and --max-requests (default 4)")
     add("--warmup", type=_non_negative_seconds, default=0.5, metavar="SECONDS",

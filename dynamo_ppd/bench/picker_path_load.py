@@ -18,6 +18,19 @@ from .picker_path_report import CpuUse, Outcome
 
 FIRST_TURNS = {"first-0.5k": 500, "first-2k": 2000, "first-8k": 8000, "first-32k": 32000,
                "first-100k": 100000}  # kind -> user tokens
+# Agent traffic over /v1/messages, as Claude Code sends it (issue 41): a system prompt and tool
+# schemas every session shares, then a tool loop whose steps append a reply with a tool call and
+# a tool result (TraceLab's medians: a ~214-token reply, an ~875-token append).
+AGENT_FOLLOW_UP = "agent-follow-up-100k"  # a tool loop's next step on a ~100K-token context
+AGENT_FIRST_TURN = "agent-first-20k"  # a new session's first request sharing the 20K-token prompt
+AGENT_KINDS = (AGENT_FOLLOW_UP, AGENT_FIRST_TURN)
+AGENT_SYSTEM_TOKENS = 20_000  # the shared system prompt (the tools' schemas add ~400)
+AGENT_CONTEXT_TOKENS = 100_000
+AGENT_TASK_TOKENS = 300  # a session's own first user message
+AGENT_REPLY_TOKENS = 214
+AGENT_RESULT_TOKENS = 875
+AGENT_SESSIONS = 4  # tool loops taking turns in the follow-up kind
+AGENT_SESSION_HEADER = "x-claude-code-session-id"  # Claude Code's (picker/route.py AGENT_SESSION_HEADERS)
 MAX_TOKENS = 64  # each routed request's max_tokens (the picker checks it and charges loads by it)
 WARMUP_TURNS = ((1000, 32), (900, 32))  # the warm-up conversations' (user tokens, reply tokens)
 WARMUP_CONCURRENCY = 32
@@ -51,15 +64,17 @@ def estimated_prompt_tokens(message_tokens: list[int]) -> int:
     return FIRST_MESSAGE_TOKENS + sum(message_tokens) + MESSAGE_TOKENS * (len(message_tokens) - 1)
 
 
-def envoy_request_headers(session_id: str, body_length: int) -> list[tuple[str, str]]:
-    """The header map Envoy's connection manager shows an ext_proc server for an OpenAI chat POST
-    (`gateway.headers.envoy_headers`, as the local gateway builds it)."""
+def envoy_request_headers(session_id: str, body_length: int, path: str = "/v1/chat/completions",
+                          session_header: str = "x-dynamo-session-id") -> list[tuple[str, str]]:
+    """The header map Envoy's connection manager shows an ext_proc server for a POST of an OpenAI
+    chat (or another API's body to ``path``) (`gateway.headers.envoy_headers`, as the local
+    gateway builds it)."""
     from ..gateway.headers import envoy_headers
     from ..gateway.http import RequestHead
 
-    head = RequestHead("POST", "/v1/chat/completions", "HTTP/1.1",
+    head = RequestHead("POST", path, "HTTP/1.1",
                        [("host", "127.0.0.1"), ("content-type", "application/json"),
-                        ("content-length", str(body_length)), ("x-dynamo-session-id", session_id)],
+                        ("content-length", str(body_length)), (session_header, session_id)],
                        content_length=body_length)
     return envoy_headers(head, str(uuid.uuid4()))
 
@@ -115,6 +130,71 @@ class FollowUps:
         conv.message_tokens.append(FOLLOW_UP_WORDS)
         conv.follow_ups += 1
         return chat_request(self.model, conv.messages, conv.session_id, conv.session_id, conv.message_tokens)
+
+
+class AgentTurns:
+    """Agent requests over ``/v1/messages`` (`AGENT_KINDS`), every session sharing one system
+    prompt and tool list. ``agent-first-20k``: each request a new session's first (its own task),
+    so after the first only the task is new to the picker. ``agent-follow-up-100k``:
+    `AGENT_SESSIONS` tool loops grown to ~`AGENT_CONTEXT_TOKENS` (`prime` sends each one's turn
+    before, unmeasured, as the picker would have seen it), taking turns; each request adds a step
+    (a reply with a tool call, its result) to its loop, so the picker has seen all of it but
+    the last step."""
+
+    def __init__(self, kind: str, model: str, text: TokenText):
+        self.kind, self.model, self.text = kind, model, text
+        self.system = text(AGENT_SYSTEM_TOKENS)
+        self.tools = [{"name": f"tool_{k}", "description": text(24),
+                       "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}
+                      for k in range(8)]
+        self.made = 0
+        self.loops: list[tuple[str, list[dict]]] = []
+        if kind == AGENT_FOLLOW_UP:
+            steps = (AGENT_CONTEXT_TOKENS - AGENT_SYSTEM_TOKENS - AGENT_TASK_TOKENS) // (
+                AGENT_REPLY_TOKENS + AGENT_RESULT_TOKENS + 2 * MESSAGE_TOKENS)
+            for i in range(AGENT_SESSIONS):
+                messages = [{"role": "user", "content": text(AGENT_TASK_TOKENS)}]
+                for _ in range(steps - 1):
+                    self._step(messages)
+                self.loops.append((f"picker-path-agent-{i}-{uuid.uuid4().hex[:8]}", messages))
+
+    @property
+    def tokens(self) -> int:
+        """About the prompt tokens of this kind's requests."""
+        if self.kind == AGENT_FOLLOW_UP:
+            return AGENT_CONTEXT_TOKENS
+        return AGENT_SYSTEM_TOKENS + AGENT_TASK_TOKENS
+
+    def _step(self, messages: list[dict]) -> None:
+        self.made += 1
+        call = f"toolu_{self.made:06d}"
+        messages.append({"role": "assistant", "content": [
+            {"type": "text", "text": self.text(AGENT_REPLY_TOKENS)},
+            {"type": "tool_use", "id": call, "name": "tool_0", "input": {"path": f"src/{self.made}.py"}}]})
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": call, "content": self.text(AGENT_RESULT_TOKENS)}]})
+
+    def _request(self, session_id: str, messages: list[dict]) -> PickRequest:
+        body = json.dumps({"model": self.model, "max_tokens": MAX_TOKENS, "stream": True,
+                           "system": self.system, "tools": self.tools, "messages": messages}).encode()
+        headers = envoy_request_headers(session_id, len(body), "/v1/messages", AGENT_SESSION_HEADER)
+        return PickRequest(headers, body, session_id, self.tokens)
+
+    def prime(self) -> list[PickRequest]:
+        """What the picker sees before the measured requests: the shared prompt once (the first
+        session's first request), or each loop as it stood a step ago."""
+        if self.kind == AGENT_FIRST_TURN:
+            return [self.next()]
+        return [self._request(session_id, list(messages)) for session_id, messages in self.loops]
+
+    def next(self) -> PickRequest:
+        if self.kind == AGENT_FIRST_TURN:
+            self.made += 1
+            session = f"picker-path-agent-first-{self.made}-{uuid.uuid4().hex[:8]}"
+            return self._request(session, [{"role": "user", "content": self.text(AGENT_TASK_TOKENS)}])
+        session_id, messages = self.loops[self.made % len(self.loops)]
+        self._step(messages)
+        return self._request(session_id, list(messages))
 
 
 async def warm_up(dep, count: int, text: TokenText, seed: int) -> list[Conversation]:
