@@ -14,6 +14,7 @@ from dynamo_ppd.bench.picker_path_load import (
     AGENT_FOLLOW_UP,
     AGENT_SESSION_HEADER,
     AGENT_SESSIONS,
+    AGENT_STEPS_MAX,
     ASSISTANT_WORDS,
     FOLLOW_UP_WORDS,
     AgentTurns,
@@ -99,6 +100,7 @@ def test_each_follow_up_continues_its_conversations_last_request():
 def test_agent_follow_ups_extend_loops_the_picker_saw_a_step_before():
     source = AgentTurns(AGENT_FOLLOW_UP, "m", _Words())  # type: ignore[arg-type]
     primed = {r.group: json.loads(r.body) for r in source.prime()}
+    primed_lengths = {group: len(body["messages"]) for group, body in primed.items()}
     assert len(primed) == AGENT_SESSIONS
     sent = [source.next() for _ in range(2 * AGENT_SESSIONS)]
     assert [r.group for r in sent[:AGENT_SESSIONS]] == [r.group for r in sent[AGENT_SESSIONS:]]
@@ -113,6 +115,10 @@ def test_agent_follow_ups_extend_loops_the_picker_saw_a_step_before():
         assert _header(request, AGENT_SESSION_HEADER) == request.group
         primed[request.group] = body
     last = json.loads(sent[-1].body)
+    for _ in range(AGENT_SESSIONS * AGENT_STEPS_MAX):  # however many: back to the primed history
+        request = source.next()
+        body = json.loads(request.body)
+        assert len(body["messages"]) <= primed_lengths[request.group] + 2 * AGENT_STEPS_MAX
     words = len(last["system"].split()) + sum(
         len(m["content"].split()) if isinstance(m["content"], str) else
         sum(len((b.get("text") or b.get("content") or "").split()) for b in m["content"])

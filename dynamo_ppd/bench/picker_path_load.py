@@ -30,6 +30,7 @@ AGENT_TASK_TOKENS = 300  # a session's own first user message
 AGENT_REPLY_TOKENS = 214
 AGENT_RESULT_TOKENS = 875
 AGENT_SESSIONS = 4  # tool loops taking turns in the follow-up kind
+AGENT_STEPS_MAX = 8  # a loop grown this many steps past its primed history starts again from there
 AGENT_SESSION_HEADER = "x-claude-code-session-id"  # Claude Code's (picker/route.py AGENT_SESSION_HEADERS)
 MAX_TOKENS = 64  # each routed request's max_tokens (the picker checks it and charges loads by it)
 WARMUP_TURNS = ((1000, 32), (900, 32))  # the warm-up conversations' (user tokens, reply tokens)
@@ -139,7 +140,9 @@ class AgentTurns:
     `AGENT_SESSIONS` tool loops grown to ~`AGENT_CONTEXT_TOKENS` (`prime` sends each one's turn
     before, unmeasured, as the picker would have seen it), taking turns; each request adds a step
     (a reply with a tool call, its result) to its loop, so the picker has seen all of it but
-    the last step."""
+    the last step. A loop `AGENT_STEPS_MAX` steps past its primed history goes back to it (a new
+    branch of the same session, as a retried step is), so the contexts stay near
+    `AGENT_CONTEXT_TOKENS` however many requests a point sends."""
 
     def __init__(self, kind: str, model: str, text: TokenText):
         self.kind, self.model, self.text = kind, model, text
@@ -149,6 +152,7 @@ class AgentTurns:
                       for k in range(8)]
         self.made = 0
         self.loops: list[tuple[str, list[dict]]] = []
+        self.primed_length = 0  # messages in each loop as primed
         if kind == AGENT_FOLLOW_UP:
             steps = (AGENT_CONTEXT_TOKENS - AGENT_SYSTEM_TOKENS - AGENT_TASK_TOKENS) // (
                 AGENT_REPLY_TOKENS + AGENT_RESULT_TOKENS + 2 * MESSAGE_TOKENS)
@@ -157,6 +161,7 @@ class AgentTurns:
                 for _ in range(steps - 1):
                     self._step(messages)
                 self.loops.append((f"picker-path-agent-{i}-{uuid.uuid4().hex[:8]}", messages))
+            self.primed_length = len(self.loops[0][1])
 
     @property
     def tokens(self) -> int:
@@ -193,6 +198,8 @@ class AgentTurns:
             session = f"picker-path-agent-first-{self.made}-{uuid.uuid4().hex[:8]}"
             return self._request(session, [{"role": "user", "content": self.text(AGENT_TASK_TOKENS)}])
         session_id, messages = self.loops[self.made % len(self.loops)]
+        if len(messages) >= self.primed_length + 2 * AGENT_STEPS_MAX:
+            del messages[self.primed_length:]
         self._step(messages)
         return self._request(session_id, list(messages))
 
