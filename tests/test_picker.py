@@ -16,6 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from dynamo_ppd.picker.extproc import DESTINATION_HEADER, ExtProcService
 from dynamo_ppd.picker.picker import Pick, Refusal
 from dynamo_ppd.picker.route import (
+    AGENT_SESSION_HEADERS,
     CLIENT_ROUTING_HEADERS,
     PREFILL_PIN,
     ROUTE_HEADER,
@@ -246,7 +247,8 @@ def test_routes_become_a_prefill_pin_or_no_pin_and_client_pins_are_dropped():
     assert PREFILL_PIN not in via.remove and "x-dynamo-worker-instance-id" in via.remove
     local = route_headers(Route.DECODE_LOCAL, None)
     assert local.set == {ROUTE_HEADER: "decode_local"}  # the frontend's KV router picks the holder
-    assert set(local.remove) == set(CLIENT_ROUTING_HEADERS)
+    # No session: the turn is unnamed on purpose, so the client's own session headers go too.
+    assert set(local.remove) == set(CLIENT_ROUTING_HEADERS) | set(AGENT_SESSION_HEADERS)
     with pytest.raises(ValueError):
         route_headers(Route.VIA_PREFILL, None)
 

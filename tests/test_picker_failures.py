@@ -104,10 +104,16 @@ def test_a_session_keeps_the_prefill_worker_the_frontend_bound_it_to():
     moved = _plan(routing, bound=P1, placed=P2)
     assert moved.prefill == P2 and moved.unbound
     assert routing._record(moved, [1] * 40, []).prefill_worker == P1
-    from dynamo_ppd.picker.route import SESSION_HEADER, route_headers
+    from dynamo_ppd.picker.route import AGENT_SESSION_HEADERS, SESSION_HEADER, route_headers
 
-    assert SESSION_HEADER not in route_headers(moved.decision.route, moved.prefill,
-                                               None if moved.unbound else moved.session_id).set
+    headers = route_headers(moved.decision.route, moved.prefill, None if moved.unbound else moved.session_id)
+    assert SESSION_HEADER not in headers.set
+    # Nor the client's own: the frontend reads every one of them (seen in chaos ratio-change, a
+    # session whose prefill worker had been scaled in got the frontend's 400 through the client's
+    # x-dynamo-session-id).
+    assert set(AGENT_SESSION_HEADERS) <= set(headers.remove)
+    named = route_headers(kept.decision.route, kept.prefill, kept.session_id)
+    assert named.set[SESSION_HEADER] == "s" and not set(AGENT_SESSION_HEADERS) & set(named.remove)
 
 
 def test_the_relay_router_records_the_prefill_worker_it_used():

@@ -84,6 +84,11 @@ def route_headers(route: Route, prefill: int | None, session_id: str | None = No
             raise ValueError("a via-prefill route needs its prefill worker")
         headers[PREFILL_PIN] = str(prefill)
     removed = tuple(h for h in CLIENT_ROUTING_HEADERS if h not in headers)
+    if session_id is None:
+        # Unnamed on purpose (its prefill worker is gone, `Routing._keep_bound_prefill`): the
+        # client's own session headers go too, or the frontend would bind the turn by them to
+        # the dead worker and refuse it (HTTP 400 "session ... is bound to worker A, not B").
+        removed += AGENT_SESSION_HEADERS
     return RouteHeaders(headers, removed)
 
 
