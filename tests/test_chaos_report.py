@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from dynamo_ppd.chaos.client import _Answer, turn_status
@@ -133,3 +134,44 @@ def test_the_settled_share_counts_follow_ups_sent_ten_seconds_after_the_target_w
     assert "10 s or more after picker was back: 100% decode-local (8)" in markdown([result])
     late = analyze(records, Fault("picker-kill", "picker", 20.0, back_after_s=11.5))
     assert late.follow_ups_settled == 0 and late.decode_local_settled is None
+
+
+def served(conv: str, turn_no: int, sent: float, decode: int | None, prefill: int | None = None,
+           status: str = "ok") -> TurnRecord:
+    """A turn as the workers Dynamo named served it (``nvext.worker_id``)."""
+    return TurnRecord(conv, turn_no, sent, status, 100, 100, 0.1, 1.0, "length", 1400, 0, 1000,
+                      decode_worker=decode, prefill_worker=prefill)
+
+
+def test_the_workers_dynamo_names_tell_decode_local_over_cached_tokens():
+    assert served_decode_local(served("c", 2, 1.0, decode=7)) is True  # no prefill worker
+    assert served_decode_local(served("c", 2, 1.0, decode=7, prefill=3)) is False
+    assert served_decode_local(served("c", 1, 1.0, decode=7, prefill=3)) is None
+
+
+def test_a_planned_change_gives_its_shares_the_joining_workers_and_the_moved_sessions():
+    from dynamo_ppd.chaos.report import ChangeStep, change_figures, planned_markdown
+
+    # Decode worker 1 leaves at 30 s (drained by 34 s), decode worker 9 joins ready at 36 s.
+    steps = [ChangeStep("retire", "decode-1", 30.0, 34.0, instance=1, configuration="1P2D", seen_s=30.4),
+             ChangeStep("add", "decode-3", 34.0, 36.0, instance=9, configuration="1P3D", seen_s=36.5)]
+    records = [served("a", 1, 10.0, 1, 5), served("a", 2, 20.0, 1), served("a", 3, 32.0, 2, 5),  # moved: via
+               served("b", 1, 11.0, 1, 5), served("b", 2, 40.0, 2),  # moved: decode-local elsewhere
+               served("c", 1, 12.0, 2, 5), served("c", 2, 31.0, 2),  # on a worker that stayed
+               served("d", 2, 25.0, 2), served("d", 3, 50.0, 2)]
+    records += [served(f"n{k}", 1, 37.0 + k, 9 if k < 3 else 2, 5) for k in range(6)]  # 3 of 6 on the new one
+    fault = Fault("ratio-change", "1P3D -> 2P2D -> back", 30.0, "1P3D", back_after_s=6.0)
+    figures = change_figures(records, fault, steps)
+    assert (figures["decode_local_during"], figures["follow_ups_during"]) == (0.5, 2)  # c's 31 s, a's 32 s
+    assert (figures["decode_local_since"], figures["follow_ups_since"]) == (1.0, 2)  # b's 40 s, d's 50 s
+    assert figures["joined_conversations"] == 6 and figures["joined_share"] == 0.5
+    assert figures["joined_fair_share"] == pytest.approx(1 / 3)
+    assert (figures["moved_sessions"], figures["moved_local"], figures["moved_via_prefill"],
+            figures["moved_not_ok"]) == (2, 1, 1, 0)
+    assert [s.switch_s for s in steps] == [0.4, 0.5]  # from the SIGTERM; from the new worker's readiness
+    result = msgspec.structs.replace(analyze(records, fault), steps=steps, **figures)
+    table = planned_markdown([result])
+    assert "| ratio-change | 1P3D | 1P3D -> 2P2D -> back | 6.00 s |" in table and "| 0.50 s |" in table
+    assert "took 50% of the 6 conversations" in table and "(fair share 33%)" in table
+    assert "2 sessions last served by a decode worker that left went on: 1 decode-local, 1 through" in table
+    assert "| ratio-change |" in markdown([result])

@@ -40,8 +40,8 @@ def test_every_process_of_a_graph_gets_them(monkeypatch, tmp_path):
     monkeypatch.setenv("DYN_NAMESPACE", "theirs")  # other Dynamo settings of the shell stay out
     graph, path = load_graph("ppd")
     deployment = launcher.Deployment(graph, tmp_path, ENDPOINTS, 8000, "m")
-    processes = [p for batch in launcher._component_processes(graph, path.parent, deployment, tmp_path)
-                 for p in batch]
+    deployment.factory = launcher._Processes.for_graph(graph, path.parent, 8000, tmp_path)
+    processes = [p for batch in launcher._component_processes(graph, deployment) for p in batch]
     assert {p.label for p in processes} >= {"frontend", "prefill", "picker", "gateway"}
     for proc in processes:
         assert proc.env["DYN_LOG"] == f"debug,{QUIET_HEALTH_POLLS}", proc.label

@@ -75,6 +75,34 @@ def test_supervisor_restarts_a_killed_process_with_the_same_argv(tmp_path):
 
 
 @pytest.mark.e2e
+def test_a_process_added_is_supervised_and_one_retired_stays_gone(tmp_path):
+    """A scale-out's process starts on the supervisor's thread and is restarted like the rest if
+    it dies; a scale-in's gets SIGTERM, leaves the list and is never started again."""
+    procs = [sleeper(tmp_path, "a")]
+    procs[0].start()
+    sup = Supervisor(lambda: list(procs), auto_restart=True, log=lambda _m: None)
+    sup.start()
+    try:
+        added = sleeper(tmp_path, "b")
+        event = sup.request_start(added, lambda: procs.append(added))
+        assert event.done.wait(10) and event.reason == "added" and event.ready_at is not None
+        assert procs[-1] is added and added.exit_code() is None
+        pid = added.pid
+        added.signal_group(signal.SIGKILL)  # supervised like any other from now on
+        wait_for(lambda: sup.restarts("b") == 1 and added.exit_code() is None and added.pid != pid)
+
+        retired = procs[0]
+        gone = sup.request_retire(retired, lambda: procs.remove(retired))
+        assert gone.done.wait(10) and gone.reason == "retired"
+        assert gone.exit_code == -signal.SIGTERM and retired not in procs
+        time.sleep(1.0)  # past the first backoff: nothing starts it again
+        assert retired.exit_code() is not None and sup.restarts("a") == 0
+    finally:
+        stop_all(procs + [p for p in (locals().get("retired"),) if p is not None])
+        sup.join()
+
+
+@pytest.mark.e2e
 def test_unsupervised_processes_stay_down_but_restart_on_request(tmp_path):
     procs = [sleeper(tmp_path, "a")]
     procs[0].start()

@@ -97,6 +97,9 @@ class ChatStream:
         self.error_chunk: str | None = None  # the error a data chunk carried
         self.error_line = False  # an "event: error" line came
         self.failure: str | None = None  # the connection failed or timed out, or a line was not JSON
+        # The workers that served it, when the request asked (``nvext.extra_fields: ["worker_id"]``):
+        # Dynamo's ``nvext.worker_id`` (``decode_worker_id``, and ``prefill_worker_id`` via prefill).
+        self.worker_ids: dict | None = None
         self.ended = sent
 
     @property
@@ -157,6 +160,9 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, session: 
                     _messages_event(chunk, out)
                     continue
                 out.usage = chunk.get("usage") or out.usage
+                nvext = chunk.get("nvext")
+                if isinstance(nvext, dict) and isinstance(nvext.get("worker_id"), dict):
+                    out.worker_ids = nvext["worker_id"]
                 for choice in chunk.get("choices", []):
                     content = (choice.get("delta") or {}).get("content")
                     if content:
@@ -171,12 +177,18 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, session: 
 
 
 def chat_body(model: str, messages: list[dict], max_tokens: int,
-              annotations: tuple[str, ...] | list[str] = ()) -> dict:
-    """A streamed chat request of exactly ``max_tokens`` (``ignore_eos``) that reports its usage."""
+              annotations: tuple[str, ...] | list[str] = (), worker_ids: bool = False) -> dict:
+    """A streamed chat request of exactly ``max_tokens`` (``ignore_eos``) that reports its usage
+    (and, with ``worker_ids``, the workers that served it: `ChatStream.worker_ids`)."""
     body: dict = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
                   "ignore_eos": True, "stream_options": {"include_usage": True}}
+    nvext: dict = {}
     if annotations:
-        body["nvext"] = {"annotations": list(annotations)}
+        nvext["annotations"] = list(annotations)
+    if worker_ids:
+        nvext["extra_fields"] = ["worker_id"]
+    if nvext:
+        body["nvext"] = nvext
     return body
 
 

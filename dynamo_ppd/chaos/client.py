@@ -1,8 +1,9 @@
 """The chaos client: plays a manifest like the benchmark's client (bench/client.py: one asyncio task
 per conversation, real history, ``x-dynamo-session-id``, ``max_tokens`` with ``ignore_eos``; its
 `stream_chat` reads each answer) but records what a fault can break in each answer: the
-``finish_reason``, the token count against ``max_tokens``, error events, and the usage's
-``cached_tokens`` (decode-local or not, report.py).
+``finish_reason``, the token count against ``max_tokens``, error events, the usage's
+``cached_tokens``, and the workers that served it (Dynamo's ``nvext.worker_id``, asked for with
+``nvext.extra_fields``: decode-local or not, and on which decode worker, report.py).
 
 A failed turn ends its conversation (there is no answer to put in the history); a truncated one
 goes on with the partial answer, as a user who saw half a reply would still type the next message.
@@ -30,17 +31,19 @@ class _Answer:
         self.finish_reason: str | None = None
         self.usage: dict | None = None
         self.error: str | None = None
+        self.worker_ids: dict = {}
 
 
 async def chat_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
                     max_tokens: int, session: str) -> tuple[_Answer, float]:
     """One streamed chat completion, read to its end even past an error event (a fault may
     break a stream that still finishes); returns the answer and its end-to-end time."""
-    out = await stream_chat(client, url, chat_body(model, messages, max_tokens), session, CHAOS_TIMEOUT_S,
-                            stop_at_error=False, body_chars=160)
+    out = await stream_chat(client, url, chat_body(model, messages, max_tokens, worker_ids=True), session,
+                            CHAOS_TIMEOUT_S, stop_at_error=False, body_chars=160)
     answer = _Answer()
     answer.text, answer.chunks, answer.ttft = out.text, len(out.stamps), out.ttft_s
     answer.finish_reason, answer.usage = out.finish_reason, out.usage
+    answer.worker_ids = out.worker_ids or {}
     if out.error_chunk is not None:
         answer.error = f"error event: {out.error_chunk[:160]}"
     elif out.error_line:
@@ -97,7 +100,8 @@ async def play(url: str, manifest: Manifest, t0: float, seed: int = 0,
                     conv.conversation_id, index, round(sent, 4), status, turn.max_tokens, tokens,
                     answer.ttft, e2e if status != "failed" else None, answer.finish_reason,
                     usage.get("prompt_tokens"), details.get("cached_tokens"),
-                    prev_prompt if index > 1 else None, answer.error)
+                    prev_prompt if index > 1 else None, answer.error,
+                    answer.worker_ids.get("decode_worker_id"), answer.worker_ids.get("prefill_worker_id"))
                 records.append(record)
                 if on_record:
                     on_record(record)

@@ -45,6 +45,10 @@ class TurnRecord(msgspec.Struct, frozen=True):
     cached_tokens: int | None = None
     prev_prompt_tokens: int | None = None  # the previous turn's prompt_tokens (follow-ups)
     error: str | None = None
+    # The workers that served it (Dynamo's ``nvext.worker_id``; None when the answer did not say).
+    # A follow-up with a decode worker and no prefill worker ran decode-local.
+    decode_worker: int | None = None
+    prefill_worker: int | None = None
 
 
 class Fault(msgspec.Struct, frozen=True):
@@ -57,6 +61,30 @@ class Fault(msgspec.Struct, frozen=True):
     graph: str = ""
     back_after_s: float | None = None
     target_inflight: float | None = None  # requests in flight on the target when it was hit
+
+
+class ChangeStep(msgspec.Struct):
+    """One step of a planned change (planned.py); times in seconds from the run's start."""
+
+    action: str  # "restart", "add" or "retire"
+    label: str
+    started_s: float
+    done_s: float | None = None  # ready again (restart, add), or exited (retire); None: not in time
+    instance: int | None = None  # the worker's Dynamo instance id (as it served, or serves now)
+    # The P:D configuration the graph had once the step was done ("2P2D"), and when a routing
+    # process first reported deciding in it.
+    configuration: str = ""
+    seen_s: float | None = None
+
+    @property
+    def switch_s(self) -> float | None:
+        """From the change (a retired worker's SIGTERM, which takes it out of discovery; a new
+        worker's readiness) to the routing deciding in the new configuration; None: not seen, or
+        the step changed no configuration."""
+        if self.seen_s is None or self.action == "restart":
+            return None
+        changed = self.started_s if self.action == "retire" else self.done_s
+        return None if changed is None else round(max(0.0, self.seen_s - changed), 3)
 
 
 class FaultResult(msgspec.Struct, frozen=True):
@@ -86,8 +114,28 @@ class FaultResult(msgspec.Struct, frozen=True):
     # a restarted routing process must be routing as before.
     decode_local_settled: float | None = None
     follow_ups_settled: int = 0
+    # A planned change (planned.py): its steps, what the routing decided in over the run
+    # ((t, configuration, basis) at each change), and `change_figures`.
+    steps: list[ChangeStep] = []
+    configurations: list[tuple[float, str, str]] = []
+    decode_local_during: float | None = None  # follow-ups sent while the change ran
+    follow_ups_during: int = 0
+    decode_local_since: float | None = None  # follow-ups sent once it was done
+    follow_ups_since: int = 0
+    # A decode worker that joined: its share of the conversations that started in the
+    # `JOINED_WINDOW_S` after it was ready, against its fair share (1 / decode workers).
+    joined_share: float | None = None
+    joined_fair_share: float | None = None
+    joined_conversations: int = 0
+    # The sessions whose last turn before a decode worker left was served there, and how their
+    # next turns went: decode-local elsewhere, through a prefill worker, not ok.
+    moved_sessions: int = 0
+    moved_local: int = 0
+    moved_via_prefill: int = 0
+    moved_not_ok: int = 0
 
 
+JOINED_WINDOW_S = 30.0
 SETTLE_S = 10.0
 SETTLED_FAULTS = ("picker-kill", "router-restart")  # the report says their settled share
 
@@ -106,9 +154,12 @@ class ChaosReport(msgspec.Struct):
 
 
 def served_decode_local(record: TurnRecord) -> bool | None:
-    """Whether a successful follow-up ran decode-local (see the module docstring); None when unknown."""
+    """Whether a successful follow-up ran decode-local: by the workers Dynamo says served it, else
+    by its cached tokens (see the module docstring); None when unknown."""
     if record.turn < 2 or record.status != "ok":
         return None
+    if record.decode_worker is not None:
+        return record.prefill_worker is None
     if record.cached_tokens is None or record.prev_prompt_tokens is None:
         return None
     return record.cached_tokens > record.prev_prompt_tokens
@@ -167,6 +218,50 @@ def analyze(records: list[TurnRecord], fault: Fault, *, window_s: float = 20.0,
         decode_local_settled=share_settled, follow_ups_settled=n_settled)
 
 
+def change_figures(records: list[TurnRecord], fault: Fault, steps: list[ChangeStep]) -> dict:
+    """The figures of a planned change (`FaultResult`'s fields from ``decode_local_during`` on):
+    the decode-local share during and after it, a joining decode worker's share of new
+    conversations, and where the sessions of a leaving decode worker went."""
+    end = fault.at_s + (fault.back_after_s or 0.0)
+    during, n_during = _share([r for r in records if fault.at_s <= r.sent_s < end])
+    since, n_since = _share([r for r in records if r.sent_s >= end])
+    out: dict = {"decode_local_during": during, "follow_ups_during": n_during,
+                 "decode_local_since": since, "follow_ups_since": n_since}
+    joined = next((s for s in steps if s.action == "add" and s.label.startswith("decode")
+                   and s.instance is not None and s.done_s is not None), None)
+    if joined is not None:
+        assert joined.done_s is not None
+        started = [r for r in records if r.turn == 1 and r.status == "ok" and r.decode_worker is not None
+                   and joined.done_s <= r.sent_s < joined.done_s + JOINED_WINDOW_S]
+        workers = int(joined.configuration.partition("P")[2].rstrip("D") or 0)
+        out.update(joined_conversations=len(started),
+                   joined_share=(sum(r.decode_worker == joined.instance for r in started) / len(started)
+                                 if started else None),
+                   joined_fair_share=1 / workers if workers else None)
+    by_conversation: dict[str, list[TurnRecord]] = {}
+    for r in sorted(records, key=lambda r: (r.conversation_id, r.turn)):
+        by_conversation.setdefault(r.conversation_id, []).append(r)
+    moved = local = via = not_ok = 0
+    for step in steps:
+        if step.action != "retire" or not step.label.startswith("decode") or step.instance is None:
+            continue
+        for turns in by_conversation.values():
+            before = [r for r in turns if r.sent_s < step.started_s]
+            after = [r for r in turns if r.sent_s >= step.started_s]
+            if not before or not after or before[-1].decode_worker != step.instance:
+                continue
+            moved += 1
+            following = after[0]
+            if following.status != "ok":
+                not_ok += 1
+            elif following.prefill_worker is None:
+                local += 1
+            else:
+                via += 1
+    out.update(moved_sessions=moved, moved_local=local, moved_via_prefill=via, moved_not_ok=not_ok)
+    return out
+
+
 def counter_delta(before: dict[str, dict[str, float]],
                   after: dict[str, dict[str, float]]) -> dict[str, float]:
     """Counter increase from ``before`` to ``after``, summed over processes. Processes are keyed by
@@ -189,7 +284,65 @@ def _pct(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.0f}%"
 
 
+PLANNED_KINDS = ("rolling-restart", "scale-out", "scale-in", "ratio-change")  # planned.PLANNED
+
+
 def markdown(results: list[FaultResult]) -> str:
+    """The faults' table (and notes), then the planned changes' (`planned_markdown`)."""
+    faults = [r for r in results if r.kind not in PLANNED_KINDS]
+    planned = [r for r in results if r.kind in PLANNED_KINDS]
+    parts = [_faults_markdown(faults)] if faults else []
+    return "\n\n".join([*parts, *([planned_markdown(planned)] if planned else [])])
+
+
+def _switch(r: FaultResult) -> str:
+    switches = [s.switch_s for s in r.steps if s.action != "restart"]
+    if not switches:
+        return "–"
+    if any(x is None for x in switches):
+        return "not seen"
+    return f"{max(x for x in switches if x is not None):.2f} s"
+
+
+def planned_markdown(results: list[FaultResult]) -> str:
+    """Planned changes: what each did, its failures, the decode-local share of follow-ups before,
+    during and after it, and the routing's switch to the new P:D configuration (the slowest step's);
+    then per change its steps, a joining worker's share, where a leaving worker's sessions went."""
+    rows = ["| change | graph | what | took | requests | failed | truncated | decode-local before "
+            "| during | after | switch to the new configuration |", "|" + "---|" * 11]
+    notes = []
+    for r in results:
+        rows.append(f"| {r.kind} | {r.graph} | {r.target} | {_s(r.back_after_s)} | {r.requests} "
+                    f"| {r.failed} | {r.truncated} | {_pct(r.decode_local_before)} ({r.follow_ups_before}) "
+                    f"| {_pct(r.decode_local_during)} ({r.follow_ups_during}) "
+                    f"| {_pct(r.decode_local_since)} ({r.follow_ups_since}) | {_switch(r)} |")
+        steps = "; ".join(
+            f"{s.action} {s.label} at {s.started_s:.1f} s, done "
+            f"{_s(None if s.done_s is None else s.done_s - s.started_s)}"
+            + (f", {s.configuration} decided in after {_s(s.switch_s)}" if s.action != "restart" else "")
+            for s in r.steps)
+        notes.append(f"- {r.kind}: {steps}")
+        if r.joined_fair_share is not None:
+            notes.append(f"- {r.kind}: the joining decode worker took {_pct(r.joined_share)} of the "
+                         f"{r.joined_conversations} conversations that started in the {JOINED_WINDOW_S:g} s "
+                         f"after it was ready (fair share {_pct(r.joined_fair_share)})")
+        if r.moved_sessions:
+            notes.append(f"- {r.kind}: {r.moved_sessions} sessions last served by a decode worker that left "
+                         f"went on: {r.moved_local} decode-local, {r.moved_via_prefill} through a prefill "
+                         f"worker, {r.moved_not_ok} not ok")
+        if r.configurations:
+            notes.append(f"- {r.kind}: the routing decided in " + ", ".join(
+                f"{config} ({basis}) from {t:.1f} s" for t, config, basis in r.configurations))
+        if r.router_counters:
+            counters = r.router_counters.items()
+            notes.append(f"- {r.kind}: router counters from the change on: " + ", ".join(
+                f"{k.removesuffix('_total').removeprefix('ppd_')} {v:g}" for k, v in counters))
+        if r.errors:
+            notes.append(f"- {r.kind}: errors seen: {'; '.join(r.errors)}")
+    return "\n".join(rows) + "\n\n" + "\n".join(notes)
+
+
+def _faults_markdown(results: list[FaultResult]) -> str:
     head = ("| fault | graph | target (in flight) | back after | requests | failed | truncated "
             "| p99 TTFT before | p99 TTFT after | added p99 TTFT | decode-local before "
             "| decode-local after | recovery |")
@@ -229,7 +382,11 @@ def reanalyze(report: ChaosReport, records: dict[str, list[TurnRecord]], *, wind
         fault = Fault(old.kind, old.target, old.at_s, old.graph, old.back_after_s, old.target_inflight)
         new = analyze(records[old.kind], fault, window_s=window_s,
                       recovery_window_s=recovery_window_s, tolerance=tolerance)
-        results.append(msgspec.structs.replace(new, other_restarts=old.other_restarts,
-                                               router_counters=old.router_counters))
+        new = msgspec.structs.replace(new, other_restarts=old.other_restarts,
+                                      router_counters=old.router_counters, steps=old.steps,
+                                      configurations=old.configurations)
+        if old.steps:
+            new = msgspec.structs.replace(new, **change_figures(records[old.kind], fault, old.steps))
+        results.append(new)
     return msgspec.structs.replace(report, window_s=window_s, recovery_window_s=recovery_window_s,
                                    tolerance=tolerance, results=results)

@@ -13,6 +13,9 @@ Faults (each on its own graph so one cannot colour the next):
   set: its figure is the decode-local share once the picker is back (`report.SETTLE_S`);
 - ``etcd-restart``: SIGTERM etcd and start it again on the same data directory;
 - ``nats-restart``: SIGTERM nats-server and start it again (same JetStream store directory).
+
+Planned changes (planned.py; not in the default set): ``rolling-restart``, ``scale-out``,
+``scale-in``, ``ratio-change`` (1P3D to 2P2D and back).
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ from ..launch.graph import load_graph
 from ..launch.process import free_port
 from ..workloads.manifest import Manifest
 from .client import play
-from .report import Fault, FaultResult, TurnRecord, analyze, counter_delta
+from .planned import PLANNED, Change, ConfigurationWatch, mark_seen, run_change
+from .report import Fault, FaultResult, TurnRecord, analyze, change_figures, counter_delta
 
-FAULTS = ("decode-kill", "prefill-kill", "router-restart", "etcd-restart", "nats-restart", "picker-kill")
+FAULTS = ("decode-kill", "prefill-kill", "router-restart", "etcd-restart", "nats-restart", "picker-kill",
+          *PLANNED)
 DEFAULT_FAULTS = FAULTS[:5]
 
 # The layout each fault runs on (over the graph's own counts; --replicas overrides).
@@ -46,6 +51,10 @@ FAULT_REPLICAS: dict[str, dict[str, int]] = {
     "etcd-restart": {},
     "nats-restart": {},
     "picker-kill": {},
+    "rolling-restart": {},
+    "scale-out": {},
+    "scale-in": {},  # a prefill worker's (--target prefill): 2P2D (`_layout`)
+    "ratio-change": {"prefill": 1, "decode": 3},  # to 2P2D and back
 }
 
 
@@ -194,10 +203,33 @@ class _Progress:
 
 
 async def _play_with_fault(dep: Deployment, manifest: Manifest, settings: RunSettings, kind: str,
-                           progress: _Progress) -> tuple[list[TurnRecord], Fault, dict[str, float]]:
+                           progress: _Progress
+                           ) -> tuple[list[TurnRecord], Fault, dict[str, float], Change | None]:
     t0 = time.monotonic()
     fault: list[Fault] = []
     snapshots: list[dict[str, dict[str, float]]] = []
+    changes: list[Change] = []
+
+    async def change_task() -> None:
+        await asyncio.sleep(max(0.0, t0 + settings.fault_at_s - time.monotonic()))
+        snapshots.append(await asyncio.to_thread(router_counters, dep))
+        at = time.monotonic() - t0
+        _say(f"  {kind}: starting at {at:.1f} s")
+        change = await asyncio.to_thread(run_change, dep, kind, settings.target, t0, inflight, _say)
+        changes.append(change)
+        done = max((s.done_s or s.started_s for s in change.steps), default=at)
+        fault.append(Fault(kind, change.target, round(at, 3), back_after_s=round(done - at, 3)))
+
+    if kind in PLANNED:
+        with ConfigurationWatch(dep, t0) as watch:
+            changing = asyncio.create_task(change_task())
+            records = await play(dep.base_url, manifest, t0, seed=settings.seed, on_record=progress,
+                                 stop_sending_s=settings.duration_s, system_tokens=settings.system_tokens)
+            await changing
+        changes[0].configurations = list(watch.seen)
+        mark_seen(changes[0])
+        snapshots.append(await asyncio.to_thread(router_counters, dep))
+        return records, fault[0], counter_delta(snapshots[0], snapshots[1]), changes[0]
 
     async def fault_task() -> None:
         await asyncio.sleep(max(0.0, t0 + settings.fault_at_s - time.monotonic()))
@@ -216,16 +248,18 @@ async def _play_with_fault(dep: Deployment, manifest: Manifest, settings: RunSet
                          stop_sending_s=settings.duration_s, system_tokens=settings.system_tokens)
     await faulting
     snapshots.append(await asyncio.to_thread(router_counters, dep))
-    return records, fault[0], counter_delta(snapshots[0], snapshots[1])
+    return records, fault[0], counter_delta(snapshots[0], snapshots[1]), None
 
 
 ROUTING_COMPONENTS = ("router", "picker")  # the relay router's graphs, the endpoint picker's
 
 
-def _layout(kind: str, graph: str) -> dict[str, int]:
+def _layout(kind: str, graph: str, target: str | None = None) -> dict[str, int]:
     """The fault's replica counts on ``graph``: ``router-restart`` doubles whichever routing
     component the graph has."""
     layout = dict(FAULT_REPLICAS[kind])
+    if kind == "scale-in" and target is not None and target.startswith("prefill"):
+        layout = {"prefill": 2, "decode": 2}  # a prefill worker can leave only where there are two
     if "router" in layout:
         names = {c.name for c in load_graph(graph)[0].components}
         if "router" not in names and ROUTING_COMPONENTS[1] in names:
@@ -234,7 +268,7 @@ def _layout(kind: str, graph: str) -> dict[str, int]:
 
 
 def run_fault(kind: str, settings: RunSettings, manifest: Manifest) -> tuple[FaultResult, list[TurnRecord]]:
-    replicas = {**_layout(kind, settings.graph), **settings.replicas}
+    replicas = {**_layout(kind, settings.graph, settings.target), **settings.replicas}
     layout = ",".join(f"{k}={v}" for k, v in replicas.items()) or "graph defaults"
     run_dir = settings.run_root / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     _say(f"{kind}: bringing up {settings.graph} ({layout}, supervised), logs in {run_dir}/logs")
@@ -254,10 +288,12 @@ def run_fault(kind: str, settings: RunSettings, manifest: Manifest) -> tuple[Fau
         progress = _Progress(kind)
         _say(f"{kind}: playing {len(manifest.conversations)} conversations over {settings.duration_s:.0f} s "
              f"at {settings.rate:g} conv/s; fault at {settings.fault_at_s:.0f} s")
-        records, fault, counters = asyncio.run(_play_with_fault(dep, manifest, settings, kind, progress))
+        played = asyncio.run(_play_with_fault(dep, manifest, settings, kind, progress))
+        records, fault, counters, change = played
         events = dep.supervisor.events if dep.supervisor else []
         # e.g. a worker that exited because etcd went away: part of the fault's effect.
-        others = [f"{e.label} (exit {e.exit_code})" for e in events if e.label != fault.target]
+        others = [f"{e.label} (exit {e.exit_code})" for e in events
+                  if e.label != fault.target and e.reason == "exited"]
         if others:
             _say(f"{kind}: other processes restarted by the supervisor: {', '.join(others)}")
     finally:
@@ -266,6 +302,9 @@ def run_fault(kind: str, settings: RunSettings, manifest: Manifest) -> tuple[Fau
     result = analyze(records, fault, window_s=settings.window_s,
                      recovery_window_s=settings.recovery_window_s, tolerance=settings.tolerance)
     result = msgspec.structs.replace(result, other_restarts=others, router_counters=counters)
+    if change is not None:
+        result = msgspec.structs.replace(result, steps=change.steps, configurations=change.configurations,
+                                         **change_figures(records, fault, change.steps))
     _say(f"{kind}: {result.requests} turns, {result.failed} failed, {result.truncated} truncated, "
          f"recovery {result.recovery_s} s")
     return result, records

@@ -18,12 +18,15 @@ DESCRIPTION = (
     "Bring up a supervised graph (default ppd, 1P3D; 2P2D for prefill-kill, two router replicas for "
     "router-restart), play a multi-turn workload against it (default WildChat-like at 2 conv/s) and "
     "inject one fault at --fault-at: SIGKILL the busiest decode or prefill worker, restart a router "
-    "replica, restart etcd or restart NATS. Each fault gets a fresh graph. Per fault the report "
-    "gives failed requests, truncated streams (no finish_reason, an error event, or fewer tokens "
-    "than max_tokens with ignore_eos), added p99 TTFT (the --window after the fault minus the one "
-    "before) and the recovery time (until the decode-local share of follow-ups, told by their "
-    "cached_tokens, is back to its pre-fault level), as markdown and JSON. Progress on stderr; "
-    "exit 1 when any fault failed or truncated a request.")
+    "replica, restart etcd or restart NATS; or make one planned change there: a rolling restart of "
+    "every worker (SIGTERM, its grace period, a new process), a decode worker joining (scale-out) or "
+    "drained and leaving (scale-in), 1P3D to 2P2D and back (ratio-change). Each gets a fresh graph. "
+    "Per fault the report gives failed requests, truncated streams (no finish_reason, an error "
+    "event, or fewer tokens than max_tokens with ignore_eos), added p99 TTFT (the --window after the "
+    "fault minus the one before) and the recovery time (until the decode-local share of follow-ups "
+    "is back to its pre-fault level); per planned change, that share before, during and after it, "
+    "and how soon the routing decided in the new P:D configuration. Markdown and JSON; progress on "
+    "stderr; exit 1 when any fault failed or truncated a request.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds of the run; no turn is sent after it")
     parser.add_argument("--fault-at", type=float, default=45.0, help="seconds from the start to the fault")
     parser.add_argument("--target", help="process label to hit (e.g. decode-1, router-1); default: "
-                        "the busiest decode/prefill worker, the first router replica")
+                        "the busiest decode/prefill worker, the first router replica; scale-out and "
+                        "scale-in also take a component: prefill (a prefill worker joins or leaves)")
     parser.add_argument("--aim", type=float, default=10.0,
                         help="worker kills: wait up to this many seconds after --fault-at for a worker "
                         "with a request in flight, so the kill cuts an answer (or a prefill)")

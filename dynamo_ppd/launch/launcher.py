@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .. import model as model_dir_mod
 from .control import ControlServer
-from .graph import Graph, expand, load_graph
+from .graph import Component, Graph, expand, load_graph
 from .process import ManagedProcess, ReadySpec, free_port, group_alive, port_in_use, stop_all
 from .servers import (
     Endpoints,
@@ -87,6 +87,8 @@ class Deployment:
     supervisor: Supervisor | None = None  # set once the graph is ready (also for restarts on request)
     control: ControlServer | None = None
     run_state: str = "starting"  # as in run.json
+    factory: _Processes | None = None  # makes a component's processes (start-up, scale-out)
+    next_replica: dict[str, int] = field(default_factory=dict)  # a scale-out's replica index
 
     @property
     def base_url(self) -> str:
@@ -155,6 +157,46 @@ class Deployment:
         if wait and not event.done.wait(timeout_s):
             raise TimeoutError(f"{proc.label} not ready {timeout_s:.0f} s after its restart; "
                                f"see {proc.log_path}")
+        return event
+
+    def add_replica(self, component: str, wait: bool = True, timeout_s: float = 90.0
+                    ) -> tuple[str, RestartEvent]:
+        """Start one more replica of ``component`` (a scale-out: a new pod of the Deployment) with
+        its own ports and a new label (``decode-3``); with ``wait``, return once it is ready. Its
+        label and the event (``ready_at``: when it was ready)."""
+        comp = next((c for c in self.graph.components if c.name == component), None)
+        if comp is None:
+            raise KeyError(f"no component {component!r}; the graph has: "
+                           f"{', '.join(c.name for c in self.graph.components)}")
+        if comp.name == PICKER_COMPONENT:
+            raise ValueError("the gateway's pickers are fixed at start-up (--replicas picker=N)")
+        if self.supervisor is None or self.factory is None:
+            raise RuntimeError("the graph is not running (a scale-out needs a started graph)")
+        replica = self.next_replica.get(component, comp.replicas)
+        self.next_replica[component] = replica + 1
+        proc = self.factory.replica(comp, replica, f"{component}-{replica}", self)
+        event = self.supervisor.request_start(proc, lambda: self.workers.append(proc))
+        if wait and not event.done.wait(timeout_s):
+            raise TimeoutError(f"{proc.label} not ready {timeout_s:.0f} s after its start; "
+                               f"see {proc.log_path}")
+        return proc.label, event
+
+    def retire(self, label: str, wait: bool = True, timeout_s: float = 90.0) -> RestartEvent:
+        """Stop one process for good (a scale-in: SIGTERM, its grace period, SIGKILL after it) and
+        drop it from the graph; with ``wait``, return once it has exited."""
+        proc = self.process(label)
+        if self.supervisor is None:
+            raise RuntimeError("the graph is not running (a scale-in needs a started graph)")
+        if proc in self.servers:
+            raise ValueError(f"{proc.label} is a server of the graph, not a component replica")
+
+        def dropped() -> None:
+            self.workers.remove(proc)
+            self.metrics_urls.pop(proc.label, None)
+
+        event = self.supervisor.request_retire(proc, dropped)
+        if wait and not event.done.wait(timeout_s):
+            raise TimeoutError(f"{proc.label} still running {timeout_s:.0f} s after its SIGTERM")
         return event
 
     def status(self) -> list[dict]:
@@ -267,47 +309,65 @@ def _with_extra_args(graph: Graph, extra: dict[str, list[str]]) -> Graph:
         msgspec.structs.replace(c, command=[*c.command, *extra.get(c.name, [])]) for c in graph.components])
 
 
-def _component_processes(graph: Graph, graph_dir: Path, deployment: Deployment,
-                         model_dir: Path) -> list[list[ManagedProcess]]:
+@dataclass
+class _Processes:
+    """Makes a component's replica processes, placeholders filled in: at start-up for every
+    replica, later for one more (`Deployment.add_replica`), with ports no other process holds."""
+
+    graph_dir: Path
+    model_dir: Path
+    frontend_port: int
+    picker_ports: list[int]
+    taken: set[int]
+
+    @classmethod
+    def for_graph(cls, graph: Graph, graph_dir: Path, http_port: int, model_dir: Path) -> _Processes:
+        # Graph-wide ports: a frontend behind a gateway, and the endpoint pickers the gateway calls.
+        taken: set[int] = {http_port}
+        frontend_port = free_port(below=32768, avoid=taken)
+        taken.add(frontend_port)
+        pickers = next((c.replicas for c in graph.components if c.name == PICKER_COMPONENT), 0)
+        picker_ports: list[int] = []
+        for _ in range(pickers):
+            picker_ports.append(free_port(below=32768, avoid=taken))
+            taken.add(picker_ports[-1])
+        return cls(graph_dir, model_dir, frontend_port, picker_ports, taken)
+
+    def replica(self, comp: Component, replica: int, label: str, deployment: Deployment) -> ManagedProcess:
+        system_port = free_port(below=32768, avoid=self.taken)
+        metrics_port = free_port(below=32768, avoid=self.taken | {system_port})
+        self.taken |= {system_port, metrics_port}
+        graph = deployment.graph
+        values = {
+            "python": sys.executable, "model_dir": str(self.model_dir),
+            "model_name": deployment.model_name, "namespace": graph.namespace,
+            "http_port": deployment.http_port, "nats_url": deployment.endpoints.nats_url,
+            "etcd_url": deployment.endpoints.etcd_url, "system_port": system_port,
+            "metrics_port": metrics_port, "frontend_port": self.frontend_port,
+            "picker_port": self.picker_ports[replica] if comp.name == PICKER_COMPONENT else "",
+            "picker_endpoints": ",".join(f"127.0.0.1:{p}" for p in self.picker_ports),
+            "replica": replica, "run_dir": str(deployment.run_dir), "graph_dir": str(self.graph_dir),
+        }
+        if comp.metrics:
+            deployment.metrics_urls[label] = expand(comp.metrics, values)
+        env = {**_inherited_env(),
+               **dynamo_env(deployment.endpoints, system_port, os.environ.get("DYN_LOG")),
+               **{k: expand(v, values) for k, v in comp.env.items()}}
+        ready = ReadySpec(http=expand(comp.ready.http, values) if comp.ready.http else None,
+                          log=comp.ready.log, timeout_s=comp.ready.timeout_s)
+        return ManagedProcess(label, [expand(a, values) for a in comp.command], env,
+                              deployment.run_dir / "logs" / f"{label}.log", ready, comp.stop_timeout_s)
+
+
+def _component_processes(graph: Graph, deployment: Deployment) -> list[list[ManagedProcess]]:
     """One list of processes per component, placeholders filled in."""
+    assert deployment.factory is not None
     batches = []
-    taken: set[int] = {deployment.http_port}
-    # Graph-wide ports: a frontend behind a gateway, and the endpoint pickers the gateway calls.
-    frontend_port = free_port(below=32768, avoid=taken)
-    taken.add(frontend_port)
-    pickers = next((c.replicas for c in graph.components if c.name == PICKER_COMPONENT), 0)
-    picker_ports: list[int] = []
-    for _ in range(pickers):
-        picker_ports.append(free_port(below=32768, avoid=taken))
-        taken.add(picker_ports[-1])
     for comp in graph.components:
-        batch = []
-        for replica in range(comp.replicas):
-            system_port = free_port(below=32768, avoid=taken)
-            metrics_port = free_port(below=32768, avoid=taken | {system_port})
-            taken |= {system_port, metrics_port}
-            values = {
-                "python": sys.executable, "model_dir": str(model_dir),
-                "model_name": deployment.model_name, "namespace": graph.namespace,
-                "http_port": deployment.http_port, "nats_url": deployment.endpoints.nats_url,
-                "etcd_url": deployment.endpoints.etcd_url, "system_port": system_port,
-                "metrics_port": metrics_port, "frontend_port": frontend_port,
-                "picker_port": picker_ports[replica] if comp.name == PICKER_COMPONENT else "",
-                "picker_endpoints": ",".join(f"127.0.0.1:{p}" for p in picker_ports),
-                "replica": replica, "run_dir": str(deployment.run_dir), "graph_dir": str(graph_dir),
-            }
-            label = comp.name if comp.replicas == 1 else f"{comp.name}-{replica}"
-            if comp.metrics:
-                deployment.metrics_urls[label] = expand(comp.metrics, values)
-            env = {**_inherited_env(),
-                   **dynamo_env(deployment.endpoints, system_port, os.environ.get("DYN_LOG")),
-                   **{k: expand(v, values) for k, v in comp.env.items()}}
-            ready = ReadySpec(http=expand(comp.ready.http, values) if comp.ready.http else None,
-                              log=comp.ready.log, timeout_s=comp.ready.timeout_s)
-            batch.append(ManagedProcess(label, [expand(a, values) for a in comp.command], env,
-                                        deployment.run_dir / "logs" / f"{label}.log", ready,
-                                        comp.stop_timeout_s))
-        batches.append(batch)
+        deployment.next_replica[comp.name] = comp.replicas
+        batches.append([deployment.factory.replica(comp, replica, comp.name if comp.replicas == 1
+                                                   else f"{comp.name}-{replica}", deployment)
+                        for replica in range(comp.replicas)])
     return batches
 
 
@@ -347,7 +407,8 @@ def start(opts: ServeOptions, log=print) -> Deployment:
         for proc in deployment.servers:
             proc.start()
         wait_ready(deployment.servers, log)
-        for batch in _component_processes(graph, graph_path.parent, deployment, model_dir):
+        deployment.factory = _Processes.for_graph(graph, graph_path.parent, opts.http_port, model_dir)
+        for batch in _component_processes(graph, deployment):
             for proc in batch:
                 proc.start()
                 deployment.workers.append(proc)
@@ -388,7 +449,8 @@ def dry_run(opts: ServeOptions, log=print) -> None:
                           etcd_url=opts.etcd_url or f"http://127.0.0.1:{opts.etcd_port}")
     deployment = Deployment(graph, run_dir, endpoints, opts.http_port, model_dir_mod.DEFAULT_MODEL_NAME)
     log(f"graph {graph.name!r} ({graph_path}): {graph.description.strip()}")
-    for batch in _component_processes(graph, graph_path.parent, deployment, model_dir):
+    deployment.factory = _Processes.for_graph(graph, graph_path.parent, opts.http_port, model_dir)
+    for batch in _component_processes(graph, deployment):
         for proc in batch:
             program = proc.argv[0]
             if shutil.which(program) is None:

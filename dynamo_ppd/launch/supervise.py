@@ -1,5 +1,6 @@
 """Supervision of a running graph: restart a component that exits (as Kubernetes restarts a pod),
-and restart one on request (`Deployment.restart`, `dynamo-ppd ctl restart`).
+restart one on request (`Deployment.restart`, `dynamo-ppd ctl restart`), and start or retire one
+on request (`Deployment.add_replica`, `Deployment.retire`: a scale-out, a scale-in).
 
 Every start after start-up happens on the supervisor's one long-lived thread. That matters: the
 children are started with PR_SET_PDEATHSIG (process.py), which Linux fires when the *thread* that
@@ -32,7 +33,7 @@ class RestartEvent:
     """One (re)start of a process; times are `time.monotonic()`."""
 
     label: str
-    reason: str  # "exited" (supervised restart) or "requested"
+    reason: str  # "exited" (supervised restart), "requested", "added" (scale-out) or "retired" (scale-in)
     exit_code: int | None
     exited_at: float
     started_at: float | None = None
@@ -72,6 +73,9 @@ class Supervisor:
         self._poll_s = poll_s
         self._lock = threading.Lock()
         self._requests: list[tuple[ManagedProcess, RestartEvent]] = []
+        # Starts and retirements on request, each with what to do once it happened (the
+        # deployment adds the process to its list, or drops it).
+        self._changes: list[tuple[ManagedProcess, RestartEvent, Callable[[], None]]] = []
         self._states: dict[str, _State] = {}
         self._busy: set[str] = set()  # labels being restarted on request (down on purpose)
         self._halted = False
@@ -105,7 +109,8 @@ class Supervisor:
             return label in self._busy or (state is not None and state.due is not None)
 
     def restarts(self, label: str) -> int:
-        return sum(1 for e in self.events if e.label == label and e.started_at is not None)
+        return sum(1 for e in self.events if e.label == label and e.started_at is not None
+                   and e.reason != "added")  # (a scale-out's first start is no restart)
 
     def request_restart(self, proc: ManagedProcess) -> RestartEvent:
         """Stop ``proc`` (SIGTERM, then SIGKILL after its stop timeout) and start it again, on the
@@ -116,6 +121,27 @@ class Supervisor:
                 raise RuntimeError("the graph is stopping; nothing is restarted")
             self._busy.add(proc.label)
             self._requests.append((proc, event))
+        return event
+
+    def request_start(self, proc: ManagedProcess, started: Callable[[], None]) -> RestartEvent:
+        """Start a new process (a scale-out) on the supervisor thread; ``started`` runs once it is
+        (the deployment lists it: supervised from then on). The event's ``done`` is set once it is
+        ready, or has exited before."""
+        return self._change(proc, RestartEvent(proc.label, "added", None, time.monotonic()), started)
+
+    def request_retire(self, proc: ManagedProcess, stopped: Callable[[], None]) -> RestartEvent:
+        """Stop a process for good (a scale-in): SIGTERM, which a Dynamo component answers by
+        leaving discovery at once and finishing what it serves (its graceful shutdown), SIGKILL
+        after its stop timeout (the grace period); ``stopped`` runs then (the deployment drops it)
+        and the event's ``done`` is set. Never restarted."""
+        return self._change(proc, RestartEvent(proc.label, "retired", None, time.monotonic()), stopped)
+
+    def _change(self, proc: ManagedProcess, event: RestartEvent, then: Callable[[], None]) -> RestartEvent:
+        with self._lock:
+            if self._halted:
+                raise RuntimeError("the graph is stopping; nothing is started or retired")
+            self._busy.add(proc.label)
+            self._changes.append((proc, event, then))
         return event
 
     # --- the thread ---------------------------------------------------------------------------
@@ -131,9 +157,12 @@ class Supervisor:
     def _pass(self) -> None:
         with self._lock:
             requests, self._requests = self._requests, []
+            changes, self._changes = self._changes, []
             halted = self._halted
         for proc, event in requests:
             self._restart_requested(proc, event)
+        for proc, event, then in changes:
+            self._changed(proc, event, then)
         if halted:
             return
         now = time.monotonic()
@@ -187,6 +216,34 @@ class Supervisor:
             with self._lock:
                 self._busy.discard(proc.label)
             if event.started_at is None:
+                event.done.set()
+
+    def _changed(self, proc: ManagedProcess, event: RestartEvent, then: Callable[[], None]) -> None:
+        self.events.append(event)
+        try:
+            if event.reason == "added":
+                with self._lock:
+                    if self._halted:
+                        return
+                proc.start()
+                event.started_at = time.monotonic()
+                self._states[proc.label] = _State(event=event)  # `_check_ready` sets it done
+                then()
+                self._log(f"  {proc.label} started (scale-out)")
+            else:
+                proc.signal_group(signal.SIGTERM)
+                if not proc.wait_stopped(time.monotonic() + proc.stop_timeout_s):
+                    proc.signal_group(signal.SIGKILL)
+                    proc.wait_stopped(time.monotonic() + 5)
+                event.exit_code = proc.exit_code()
+                then()
+                self._states.pop(proc.label, None)
+                self._log(f"  {proc.label} retired (scale-in; exit code {event.exit_code})")
+            self._on_change()
+        finally:
+            with self._lock:
+                self._busy.discard(proc.label)
+            if event.reason == "retired" or event.started_at is None:
                 event.done.set()
 
     def _check_ready(self, proc: ManagedProcess, state: _State) -> None:

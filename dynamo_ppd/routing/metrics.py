@@ -102,6 +102,14 @@ class RoutingMetrics:
             "Observed over predicted TPOT of the follow-ups observed (1: exact; the error is this - 1)",
             ["route", "bucket"], buckets=RATIO_BUCKETS, registry=self.registry)
 
+        # The live P:D configuration and what decides its turns (`Routing._select_table`): 1 for the
+        # current one, 0 for those before it, so a change shows as a step on a dashboard.
+        self.configuration = Gauge(
+            "ppd_pd_configuration", "The live P:D configuration (1: current) and what decides its turns: "
+            "a table's file name, profile (the engine profile's predictions) or none (a fixed rule)",
+            ["configuration", "basis"], registry=self.registry)
+        self._configurations: set[tuple[str, str]] = set()
+
         self._decision_children: dict[tuple[str, str, str], object] = {}
         self._buckets: set[str] = set()
 
@@ -132,6 +140,12 @@ class RoutingMetrics:
                 return "other"
             self._buckets.add(label)
         return label
+
+    def set_configuration(self, configuration: str, basis: str) -> None:
+        for seen in self._configurations:
+            self.configuration.labels(*seen).set(0)
+        self._configurations.add((configuration, basis))
+        self.configuration.labels(configuration, basis).set(1)
 
     def set_rates(self, local: float, shared: float) -> None:
         self.request_rate_local.set(local)

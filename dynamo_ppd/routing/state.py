@@ -22,6 +22,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -125,7 +126,8 @@ class Routing:
         self._cards: WorkerCards | None = None
         self._nats: Any = None
         self.kv_sync: KvSync | None = None
-        self._table_config: str | None = None
+        self._table_config: str | None = None  # the live P:D configuration ("1P3D"), once seen
+        self.decision_basis = ""  # what decides its turns: a table's file name, "profile" or "none"
         self._background: set[asyncio.Task] = set()  # session writes in flight
         # True behind an endpoint picker: Dynamo's frontend, not this process, picks the decode
         # worker of a turn it does not pin, so a session's home is where its history is
@@ -257,6 +259,7 @@ class Routing:
                        cached_on_prefill=decided.features.cached_on_prefill, decode=plan.decode,
                        prefill=plan.prefill,
                        route=decision.route.value, reason=decision.reason, score=decision.score,
+                       configuration=self._table_config, basis=self.decision_basis,
                        rehome=decided.rehome, local=decision.local, via_prefill=decision.via_prefill,
                        **_last_error(self.last_observed))
         return plan
@@ -319,23 +322,33 @@ class Routing:
             resident_tokens={w: self.residency.block_count(w) * bs for w in decode})
 
     def _select_table(self, prefill_workers: int, decode_workers: int) -> None:
-        """``--table auto``: the table shipped for the profile and the live P:D configuration
-        (none: cold-start predictions), switched when workers come or go."""
-        if self.config.table != "auto" or self.policy.predictor is None:
-            return
+        """Follow the live P:D configuration (workers come and go: a scale-out, a drain, a ratio
+        change). ``--table auto``: the table shipped for the profile and the configuration (none:
+        the engine profile's predictions), switched at once. Every mode: what decides turns now,
+        as ``ppd_pd_configuration{configuration, basis}`` (1 for the current one) and on each
+        decision's debug line."""
         config = f"{prefill_workers}P{decode_workers}D"
         if config == self._table_config:
             return
-        self._table_config = config
-        path = bundled_table(config)
-        table = None
-        if path.is_file():
-            table = load_table(path)
-            if table.profile != load_profile(self.config.profile).name:
-                table = None
-        self.policy.set_table(table)
-        log.info("P:D configuration %s: %s", config, f"table {path.name}" if table else
-                 "no shipped table, deciding from the engine profile's predictions")
+        previous, self._table_config = self._table_config, config
+        basis = "profile" if self.policy.predictor is not None else "none"
+        if self.config.table not in ("auto", "none"):
+            basis = Path(self.config.table).name  # a fixed table, whatever the configuration
+        elif self.config.table == "auto" and self.policy.predictor is not None:
+            path = bundled_table(config)
+            table = None
+            if path.is_file():
+                table = load_table(path)
+                if table.profile != load_profile(self.config.profile).name:
+                    table = None
+            self.policy.set_table(table)
+            basis = path.name if table is not None else "profile"
+        self.decision_basis = basis
+        self.metrics.set_configuration(config, basis)
+        log.info("P:D configuration %s%s: deciding with %s", config,
+                 f" (was {previous})" if previous else "",
+                 f"table {basis}" if basis not in ("profile", "none") else
+                 "the engine profile's predictions" if basis == "profile" else "the mode's fixed rule")
 
     def instances(self, role: str) -> list[int]:
         """The live instances of a role, less those that just failed: a SIGKILLed worker stays in
