@@ -31,3 +31,28 @@ def test_chaos_decode_kill_smoke(model_dir, tmp_path):
     assert "| decode-kill | 1P2D |" in out.with_suffix(".md").read_text()
     records = json.loads((tmp_path / "chaos-records.json").read_text())["decode-kill"]
     assert len(records) == result["requests"]
+
+
+@pytest.mark.slow
+def test_chaos_ratio_change_smoke(model_dir, tmp_path):
+    """1P3D to 2P2D and back under load: a decode worker drained, a prefill worker added, that one
+    drained, a decode worker added. Nothing fails, every step is done, and the picker decides in
+    each new configuration within seconds of it."""
+    out = tmp_path / "chaos"
+    code = main(["chaos", "--faults", "ratio-change", "--qps", "3", "--duration", "36", "--fault-at", "8",
+                 "--hold", "6", "--window", "6", "--recovery-window", "4", "--out", str(out),
+                 "--run-root", str(tmp_path / "runs")])
+    report = json.loads(out.with_suffix(".json").read_text())
+    (result,) = report["results"]
+    assert result["graph"] == "1P3D" and (result["failed"], result["truncated"]) == (0, 0), result["errors"]
+    steps = result["steps"]
+    assert [(s["action"], s["configuration"]) for s in steps] == [
+        ("retire", "1P2D"), ("add", "2P2D"), ("retire", "1P2D"), ("add", "1P3D")]
+    assert all(s["done_s"] is not None for s in steps), steps
+    # Each configuration the change leaves the graph in is decided in within seconds (the 1P2D
+    # between a retirement and the next addition lasts about a second: it may see no turn).
+    added = [s for s in steps if s["action"] == "add"]
+    assert all(s["seen_s"] is not None and s["seen_s"] - s["done_s"] < 10 for s in added), steps
+    assert [c for _, c, _ in result["configurations"]][-1] == "1P3D"
+    assert result["follow_ups_during"] > 0 and result["follow_ups_since"] > 0
+    assert code == 0

@@ -31,7 +31,7 @@ from ..launch import Deployment
 from .report import ChangeStep as Step
 
 PLANNED = ("rolling-restart", "scale-out", "scale-in", "ratio-change")
-ROLL_GAP_S = 5.0  # between one worker of a rolling restart being ready and the next one's SIGTERM
+ROLL_GAP_S = 2.0  # between one worker of a rolling restart being ready and the next one's SIGTERM
 RATIO_HOLD_S = 20.0  # how long the new ratio holds before a ratio change goes back
 _INSTANCE = re.compile(r"serving \S+ as instance ([0-9a-f]+)")
 _CONFIGURATION = re.compile(r'^ppd_pd_configuration\{([^}]*)\}\s+(\S+)', re.MULTILINE)

@@ -296,12 +296,17 @@ def markdown(results: list[FaultResult]) -> str:
 
 
 def _switch(r: FaultResult) -> str:
+    """The slowest step's switch; a configuration no decision was made in (a step's, left before the
+    routing planned a turn, e.g. 1P2D between a ratio change's retirement and its addition) is
+    counted apart."""
     switches = [s.switch_s for s in r.steps if s.action != "restart"]
     if not switches:
         return "–"
-    if any(x is None for x in switches):
-        return "not seen"
-    return f"{max(x for x in switches if x is not None):.2f} s"
+    seen = [x for x in switches if x is not None]
+    unseen = len(switches) - len(seen)
+    text = f"{max(seen):.2f} s" if seen else "not seen"
+    return text + (f" ({unseen} passing configuration{'s' if unseen > 1 else ''} not decided in)"
+                   if unseen and seen else "")
 
 
 def planned_markdown(results: list[FaultResult]) -> str:

@@ -36,7 +36,7 @@ from ..launch.graph import load_graph
 from ..launch.process import free_port
 from ..workloads.manifest import Manifest
 from .client import play
-from .planned import PLANNED, Change, ConfigurationWatch, mark_seen, run_change
+from .planned import PLANNED, RATIO_HOLD_S, Change, ConfigurationWatch, mark_seen, run_change
 from .report import Fault, FaultResult, TurnRecord, analyze, change_figures, counter_delta
 
 FAULTS = ("decode-kill", "prefill-kill", "router-restart", "etcd-restart", "nats-restart", "picker-kill",
@@ -75,6 +75,7 @@ class RunSettings:
     run_root: Path = Path("runs/chaos")
     mode: str | None = None  # the routing component's --mode (relay router or picker); None: the graph's
     system_tokens: int = 0  # a system prompt of this many tokens, the same in every conversation
+    hold_s: float = RATIO_HOLD_S  # ratio-change: how long the new ratio holds before it goes back
 
 
 def _say(message: str) -> None:
@@ -215,7 +216,8 @@ async def _play_with_fault(dep: Deployment, manifest: Manifest, settings: RunSet
         snapshots.append(await asyncio.to_thread(router_counters, dep))
         at = time.monotonic() - t0
         _say(f"  {kind}: starting at {at:.1f} s")
-        change = await asyncio.to_thread(run_change, dep, kind, settings.target, t0, inflight, _say)
+        change = await asyncio.to_thread(run_change, dep, kind, settings.target, t0, inflight, _say,
+                                         hold_s=settings.hold_s)
         changes.append(change)
         done = max((s.done_s or s.started_s for s in change.steps), default=at)
         fault.append(Fault(kind, change.target, round(at, 3), back_after_s=round(done - at, 3)))

@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="process label to hit (e.g. decode-1, router-1); default: "
                         "the busiest decode/prefill worker, the first router replica; scale-out and "
                         "scale-in also take a component: prefill (a prefill worker joins or leaves)")
+    parser.add_argument("--hold", type=float, default=20.0,
+                        help="ratio-change: seconds the new ratio (2P2D) holds before it goes back")
     parser.add_argument("--aim", type=float, default=10.0,
                         help="worker kills: wait up to this many seconds after --fault-at for a worker "
                         "with a request in flight, so the kill cuts an answer (or a prefill)")
@@ -102,7 +104,8 @@ def main(args: argparse.Namespace) -> int:
                            replicas=args.replicas, target=args.target, aim_s=args.aim,
                            window_s=args.window,
                            recovery_window_s=args.recovery_window, tolerance=args.tolerance,
-                           run_root=args.run_root, mode=args.mode, system_tokens=args.system_tokens)
+                           run_root=args.run_root, mode=args.mode, system_tokens=args.system_tokens,
+                           hold_s=args.hold)
     command = " ".join(["dynamo-ppd", "chaos", *(sys.argv[2:] if sys.argv[1:2] == ["chaos"] else [])])
     report, records = experiment.run_faults(args.faults, settings, manifest, command)
     experiment.write(report, args.out, records if args.records else None)
