@@ -2,10 +2,12 @@
 them (processes, clocks) and what the routing component said meanwhile. The analysis of the turns
 is report.py's.
 
-- ``rolling-restart``: every prefill and decode worker in turn gets SIGTERM, its grace period (the
-  component's stop timeout) and starts again with a new Dynamo instance id, as a Deployment rollout
-  replaces its pods one at a time (maxUnavailable 1); the next waits `ROLL_GAP_S` after the last
-  is ready (minReadySeconds).
+- ``rolling-restart``: every prefill and decode worker in turn is replaced, as a Deployment rollout
+  replaces its pods under Kubernetes' default strategy (maxSurge 25% rounded up, maxUnavailable 25%
+  rounded down: 1 and 0 for up to 3 replicas): a new process (a new Dynamo instance id) starts and
+  is ready, then the old one gets SIGTERM and its grace period (the component's stop timeout); the
+  next waits `ROLL_GAP_S`. (Restarting a graph's only prefill worker in place instead leaves the
+  frontend without one: it answers every request 503 "not ready" until the worker is back.)
 - ``scale-out``: one more decode worker (``--target prefill``: a prefill worker) joins.
 - ``scale-in``: the busiest decode worker (``--target``: another) is drained and leaves.
 - ``ratio-change``: 1P3D becomes 2P2D (the busiest decode worker leaves, a prefill worker joins)
@@ -118,15 +120,6 @@ def run_change(dep: Deployment, kind: str, target: str | None, t0: float,
     process label (scale-in), or the component to add (scale-out: ``prefill``)."""
     clock = lambda: round(time.monotonic() - t0, 3)  # noqa: E731
 
-    def restart(label: str) -> Step:
-        step = Step("restart", label, clock())
-        event = dep.restart(label, timeout_s=120)
-        step.done_s = None if event.ready_at is None else round(event.ready_at - t0, 3)
-        step.instance, step.configuration = instance_id(dep, label), configuration(dep)
-        say(f"  {kind}: {label} restarted, ready after {step.done_s - step.started_s:.1f} s"
-            if step.done_s is not None else f"  {kind}: {label} NOT ready again")
-        return step
-
     def add(component: str) -> Step:
         step = Step("add", component, clock())
         label, event = dep.add_replica(component, timeout_s=120)
@@ -146,11 +139,11 @@ def run_change(dep: Deployment, kind: str, target: str | None, t0: float,
         return step
 
     if kind == "rolling-restart":
-        change = Change(kind, "every prefill and decode worker")
+        change = Change(kind, "every prefill and decode worker, surge first")
         for i, label in enumerate([*dep.labels("prefill"), *dep.labels("decode")]):
             if i:
                 time.sleep(roll_gap_s)
-            change.steps.append(restart(label))
+            change.steps += [add(label.partition("-")[0]), retire(label)]
     elif kind == "scale-out":
         component = target or "decode"
         change = Change(kind, f"+1 {component}")

@@ -229,6 +229,8 @@ def change_figures(records: list[TurnRecord], fault: Fault, steps: list[ChangeSt
                  "decode_local_since": since, "follow_ups_since": n_since}
     joined = next((s for s in steps if s.action == "add" and s.label.startswith("decode")
                    and s.instance is not None and s.done_s is not None), None)
+    if fault.kind not in ("scale-out", "ratio-change"):
+        joined = None  # (a rolling restart's new decode workers replace old ones: no fair share to take)
     if joined is not None:
         assert joined.done_s is not None
         started = [r for r in records if r.turn == 1 and r.status == "ok" and r.decode_worker is not None
