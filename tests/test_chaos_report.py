@@ -178,8 +178,8 @@ def test_a_planned_change_gives_its_shares_the_joining_workers_and_the_moved_ses
 
 
 def test_a_steps_configuration_is_looked_for_until_the_next_step_begins():
-    from dynamo_ppd.chaos.planned import Change, mark_seen
-    from dynamo_ppd.chaos.report import ChangeStep
+    from dynamo_ppd.chaos.planned import Change
+    from dynamo_ppd.chaos.report import ChangeStep, mark_seen
 
     # Surge first: 1P4D lasts a tenth of a second before the old worker's SIGTERM; the next
     # replacement brings 1P4D back later, which is not the first one's.
@@ -188,9 +188,9 @@ def test_a_steps_configuration_is_looked_for_until_the_next_step_begins():
         ChangeStep("retire", "decode-0", 44.3, 49.2, configuration="1P3D"),
         ChangeStep("add", "decode-4", 51.2, 52.8, configuration="1P4D")],
         configurations=[(1.3, "1P3D", "profile"), (53.0, "1P4D", "profile")])
-    mark_seen(change)
+    mark_seen(change.steps, change.configurations)
     assert [s.seen_s for s in change.steps] == [None, None, 53.0]
     change.configurations.insert(1, (44.5, "1P3D", "profile"))
-    mark_seen(change)
+    mark_seen(change.steps, change.configurations)
     assert [s.seen_s for s in change.steps] == [None, 44.5, 53.0]
     assert change.steps[1].switch_s == pytest.approx(0.2)

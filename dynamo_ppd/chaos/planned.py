@@ -163,13 +163,3 @@ def run_change(dep: Deployment, kind: str, target: str | None, t0: float,
     else:
         raise ValueError(f"not a planned change: {kind!r} (one of {', '.join(PLANNED)})")
     return change
-
-
-def mark_seen(change: Change) -> None:
-    """Each step's ``seen_s``: when a routing process first reported deciding in the configuration
-    the step left the graph in, after the step began and before the next one did (a later step
-    may bring the same configuration back: that is not this one's)."""
-    for step, following in zip(change.steps, [*change.steps[1:], None], strict=True):
-        until = following.started_s if following is not None else float("inf")
-        step.seen_s = next((t for t, config, _ in change.configurations
-                            if step.started_s <= t < until and config == step.configuration), None)

@@ -218,6 +218,17 @@ def analyze(records: list[TurnRecord], fault: Fault, *, window_s: float = 20.0,
         decode_local_settled=share_settled, follow_ups_settled=n_settled)
 
 
+def mark_seen(steps: list[ChangeStep], configurations: list[tuple[float, str, str]]) -> None:
+    """Each step's ``seen_s``: when a routing process first reported deciding in the configuration
+    the step left the graph in (``configurations``: (t, configuration, basis) at each change),
+    after the step began and before the next one did (a later step may bring the same
+    configuration back: that is not this one's)."""
+    for step, following in zip(steps, [*steps[1:], None], strict=True):
+        until = following.started_s if following is not None else float("inf")
+        step.seen_s = next((t for t, config, _ in configurations
+                            if step.started_s <= t < until and config == step.configuration), None)
+
+
 def change_figures(records: list[TurnRecord], fault: Fault, steps: list[ChangeStep]) -> dict:
     """The figures of a planned change (`FaultResult`'s fields from ``decode_local_during`` on):
     the decode-local share during and after it, a joining decode worker's share of new
@@ -393,6 +404,7 @@ def reanalyze(report: ChaosReport, records: dict[str, list[TurnRecord]], *, wind
                                       router_counters=old.router_counters, steps=old.steps,
                                       configurations=old.configurations)
         if old.steps:
+            mark_seen(old.steps, old.configurations)
             new = msgspec.structs.replace(new, **change_figures(records[old.kind], fault, old.steps))
         results.append(new)
     return msgspec.structs.replace(report, window_s=window_s, recovery_window_s=recovery_window_s,

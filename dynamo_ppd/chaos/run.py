@@ -36,8 +36,8 @@ from ..launch.graph import load_graph
 from ..launch.process import free_port
 from ..workloads.manifest import Manifest
 from .client import play
-from .planned import PLANNED, RATIO_HOLD_S, Change, ConfigurationWatch, mark_seen, run_change
-from .report import Fault, FaultResult, TurnRecord, analyze, change_figures, counter_delta
+from .planned import PLANNED, RATIO_HOLD_S, Change, ConfigurationWatch, run_change
+from .report import Fault, FaultResult, TurnRecord, analyze, change_figures, counter_delta, mark_seen
 
 FAULTS = ("decode-kill", "prefill-kill", "router-restart", "etcd-restart", "nats-restart", "picker-kill",
           *PLANNED)
@@ -229,7 +229,7 @@ async def _play_with_fault(dep: Deployment, manifest: Manifest, settings: RunSet
                                  stop_sending_s=settings.duration_s, system_tokens=settings.system_tokens)
             await changing
         changes[0].configurations = list(watch.seen)
-        mark_seen(changes[0])
+        mark_seen(changes[0].steps, changes[0].configurations)
         snapshots.append(await asyncio.to_thread(router_counters, dep))
         return records, fault[0], counter_delta(snapshots[0], snapshots[1]), changes[0]
 
