@@ -189,8 +189,11 @@ def test_a_steps_configuration_is_looked_for_until_the_next_step_begins():
         ChangeStep("add", "decode-4", 51.2, 52.8, configuration="1P4D")],
         configurations=[(1.3, "1P3D", "profile"), (53.0, "1P4D", "profile")])
     mark_seen(change.steps, change.configurations)
-    assert [s.seen_s for s in change.steps] == [None, None, 53.0]
-    change.configurations.insert(1, (44.5, "1P3D", "profile"))
+    # 1P4D passed unseen; 1P3D again is what the routing was deciding in all along: seen at once.
+    assert [s.seen_s for s in change.steps] == [None, 44.3, 53.0]
+    assert change.steps[1].switch_s == 0.0
+    change.configurations.insert(1, (44.0, "1P4D", "profile"))  # had it seen the passing 1P4D
+    change.configurations.insert(2, (44.5, "1P3D", "profile"))
     mark_seen(change.steps, change.configurations)
-    assert [s.seen_s for s in change.steps] == [None, 44.5, 53.0]
+    assert [s.seen_s for s in change.steps] == [44.0, 44.5, 53.0]
     assert change.steps[1].switch_s == pytest.approx(0.2)

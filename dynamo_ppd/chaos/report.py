@@ -219,12 +219,18 @@ def analyze(records: list[TurnRecord], fault: Fault, *, window_s: float = 20.0,
 
 
 def mark_seen(steps: list[ChangeStep], configurations: list[tuple[float, str, str]]) -> None:
-    """Each step's ``seen_s``: when a routing process first reported deciding in the configuration
-    the step left the graph in (``configurations``: (t, configuration, basis) at each change),
-    after the step began and before the next one did (a later step may bring the same
-    configuration back: that is not this one's)."""
+    """Each step's ``seen_s``: the first time, after the step began and before the next one did (a
+    later step may bring the same configuration back: that is not this one's), that the routing
+    decided in the configuration the step left the graph in. ``configurations``: (t, configuration,
+    basis) at each change of what the routing reported; between two, it reported the earlier one
+    (so a step whose configuration the routing was in already, e.g. 1P3D again after a passing
+    1P4D it never planned a turn in, is seen at once)."""
     for step, following in zip(steps, [*steps[1:], None], strict=True):
         until = following.started_s if following is not None else float("inf")
+        current = [config for t, config, _ in configurations if t <= step.started_s][-1:]
+        if current == [step.configuration]:
+            step.seen_s = step.started_s
+            continue
         step.seen_s = next((t for t, config, _ in configurations
                             if step.started_s <= t < until and config == step.configuration), None)
 
