@@ -147,6 +147,10 @@ def test_the_workers_dynamo_names_tell_decode_local_over_cached_tokens():
     assert served_decode_local(served("c", 2, 1.0, decode=7)) is True  # no prefill worker
     assert served_decode_local(served("c", 2, 1.0, decode=7, prefill=3)) is False
     assert served_decode_local(served("c", 1, 1.0, decode=7, prefill=3)) is None
+    # Behind the relay router the frontend names the router as both: the cached tokens tell.
+    relayed = msgspec.structs.replace(served("c", 2, 1.0, decode=4, prefill=4), cached_tokens=1200)
+    assert served_decode_local(relayed) is True
+    assert served_decode_local(msgspec.structs.replace(relayed, cached_tokens=900)) is False
 
 
 def test_a_planned_change_gives_its_shares_the_joining_workers_and_the_moved_sessions():

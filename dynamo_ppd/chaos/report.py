@@ -153,12 +153,18 @@ class ChaosReport(msgspec.Struct):
     commit: str = ""  # the tree measured (git describe --always --dirty), when known
 
 
+def named_workers(record: TurnRecord) -> bool:
+    """Whether the frontend named the turn's own workers. Behind the relay router it names the
+    router, its one aggregated backend, as both prefill and decode worker: no worker of ours."""
+    return record.decode_worker is not None and record.decode_worker != record.prefill_worker
+
+
 def served_decode_local(record: TurnRecord) -> bool | None:
     """Whether a successful follow-up ran decode-local: by the workers Dynamo says served it, else
     by its cached tokens (see the module docstring); None when unknown."""
     if record.turn < 2 or record.status != "ok":
         return None
-    if record.decode_worker is not None:
+    if named_workers(record):
         return record.prefill_worker is None
     if record.cached_tokens is None or record.prev_prompt_tokens is None:
         return None
@@ -250,13 +256,13 @@ def change_figures(records: list[TurnRecord], fault: Fault, steps: list[ChangeSt
         joined = None  # (a rolling restart's new decode workers replace old ones: no fair share to take)
     if joined is not None:
         assert joined.done_s is not None
-        started = [r for r in records if r.turn == 1 and r.status == "ok" and r.decode_worker is not None
+        started = [r for r in records if r.turn == 1 and r.status == "ok" and named_workers(r)
                    and joined.done_s <= r.sent_s < joined.done_s + JOINED_WINDOW_S]
         workers = int(joined.configuration.partition("P")[2].rstrip("D") or 0)
         out.update(joined_conversations=len(started),
                    joined_share=(sum(r.decode_worker == joined.instance for r in started) / len(started)
                                  if started else None),
-                   joined_fair_share=1 / workers if workers else None)
+                   joined_fair_share=1 / workers if workers and started else None)
     by_conversation: dict[str, list[TurnRecord]] = {}
     for r in sorted(records, key=lambda r: (r.conversation_id, r.turn)):
         by_conversation.setdefault(r.conversation_id, []).append(r)
@@ -267,7 +273,8 @@ def change_figures(records: list[TurnRecord], fault: Fault, steps: list[ChangeSt
         for turns in by_conversation.values():
             before = [r for r in turns if r.sent_s < step.started_s]
             after = [r for r in turns if r.sent_s >= step.started_s]
-            if not before or not after or before[-1].decode_worker != step.instance:
+            if not before or not after or not named_workers(before[-1]) \
+                    or before[-1].decode_worker != step.instance:
                 continue
             moved += 1
             following = after[0]
@@ -350,6 +357,10 @@ def planned_markdown(results: list[FaultResult]) -> str:
             notes.append(f"- {r.kind}: the joining decode worker took {_pct(r.joined_share)} of the "
                          f"{r.joined_conversations} conversations that started in the {JOINED_WINDOW_S:g} s "
                          f"after it was ready (fair share {_pct(r.joined_fair_share)})")
+        elif r.kind in ("scale-out", "ratio-change"):
+            notes.append(f"- {r.kind}: no answer named its decode worker (behind the relay router the "
+                         "frontend names the router), so the joining worker's share and the leaving "
+                         "worker's sessions are not measured")
         if r.moved_sessions:
             notes.append(f"- {r.kind}: {r.moved_sessions} sessions last served by a decode worker that left "
                          f"went on: {r.moved_local} decode-local, {r.moved_via_prefill} through a prefill "
