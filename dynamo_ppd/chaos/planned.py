@@ -86,7 +86,11 @@ class ConfigurationWatch:
         self._thread.join(timeout=5)
 
     def _read(self) -> tuple[str, str] | None:
-        for url in list(self.dep.metrics_urls.values()):
+        try:
+            urls = list(self.dep.metrics_urls.values())
+        except RuntimeError:  # a scale step changed the dict mid-copy: the next poll reads it
+            return None
+        for url in urls:
             try:
                 with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 (loopback)
                     text = response.read().decode()
