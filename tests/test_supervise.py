@@ -167,6 +167,19 @@ def test_serve_supervise_with_ctl_kill_and_restart(serve_run):
     assert run.proc.poll() is None
     wait_for(lambda: chat_ok(run.base_url), 30)
 
+    # A scale-out and a scale-in by hand: the new replica serves, the retired one is gone for good.
+    added = ctl(run, "add", "decode")
+    assert added.returncode == 0 and added.stdout.startswith("added decode-2: ready"), added.stderr
+    retired = ctl(run, "retire", "decode-0")
+    assert retired.returncode == 0 and retired.stdout.startswith("retired decode-0: gone"), retired.stderr
+    labels = [line.split()[0] for line in ctl(run, "status").stdout.splitlines()]
+    assert "decode-2" in labels and "decode-0" not in labels and "decode-1" in labels
+    assert [p["label"] for p in run.record()["processes"] if p["label"].startswith("decode")] == \
+        ["decode-1", "decode-2"]
+    wait_for(lambda: chat_ok(run.base_url), 30)
+    unknown = ctl(run, "add", "nope")
+    assert unknown.returncode == 1 and "no component 'nope'" in unknown.stderr
+
     # etcd restarted on its data directory: what was written survives.
     etcd_put_get(record["etcd_url"], b"chaos-test/key", b"kept")
     restarted = ctl(run, "restart", "etcd")

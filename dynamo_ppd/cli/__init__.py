@@ -69,15 +69,18 @@ def _add_serve(sub) -> None:
 
 def _add_ctl(sub) -> None:
     p = sub.add_parser(
-        "ctl", help="list, kill or restart one process of a graph run by `serve` in another process",
+        "ctl", help="list, kill, restart, add or retire one process of a graph run by `serve` in another "
+        "process",
         description="Talks to a running `dynamo-ppd serve` through the control channel named in "
         "RUN_DIR/run.json (a loopback HTTP port). `kill` sends a signal to one process (a supervised "
         "graph starts it again; an unsupervised one then stops); `restart` stops it (SIGTERM, "
-        "SIGKILL after its stop timeout) and starts it again, and returns once it is ready.",
+        "SIGKILL after its stop timeout) and starts it again, and returns once it is ready; `add` "
+        "starts one more replica of a component (a scale-out) and `retire` drains one process and "
+        "drops it (a scale-in: SIGTERM, Dynamo's graceful shutdown, SIGKILL after the stop timeout).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--run-dir", type=Path, required=True, help="the serve run's directory (--run-dir "
                    "of serve; it holds run.json)")
-    csub = p.add_subparsers(dest="ctl_command", required=True, metavar="{status,kill,restart}")
+    csub = p.add_subparsers(dest="ctl_command", required=True, metavar="{status,kill,restart,add,retire}")
     csub.add_parser("status", help="each process: pid, alive, restarts")
     kill = csub.add_parser("kill", help="send a signal to one process",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -88,6 +91,14 @@ def _add_ctl(sub) -> None:
     restart.add_argument("label", help="process label, e.g. router-0, etcd, nats-server")
     restart.add_argument("--timeout", type=float, default=60.0,
                          help="seconds to wait for it to be ready again")
+    add = csub.add_parser("add", help="start one more replica of a component (a scale-out)",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add.add_argument("component", help="component name, e.g. decode, prefill")
+    add.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for it to be ready")
+    retire = csub.add_parser("retire", help="drain one process and drop it from the graph (a scale-in)",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    retire.add_argument("label", help="process label, e.g. decode-1")
+    retire.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for it to exit")
 
 
 def _add_model(sub) -> None:
@@ -251,6 +262,15 @@ def _ctl(args) -> int:
         elif args.ctl_command == "kill":
             answer = call(url, "/kill", {"label": args.label, "signal": parse_signal(args.signal).name})
             print(f"sent {answer['signal']} to {answer['label']} (pid {answer['pid']})")
+        elif args.ctl_command == "add":
+            answer = call(url, "/add", {"component": args.component, "timeout_s": args.timeout},
+                          timeout_s=args.timeout + 30)
+            print(f"added {answer['label']}: ready {answer['ready_after_s']} s after its start")
+        elif args.ctl_command == "retire":
+            answer = call(url, "/retire", {"label": args.label, "timeout_s": args.timeout},
+                          timeout_s=args.timeout + 30)
+            print(f"retired {answer['label']}: gone {answer['gone_after_s']} s after its SIGTERM "
+                  f"(exit code {answer['exit_code']})")
         else:
             answer = call(url, "/restart", {"label": args.label, "timeout_s": args.timeout},
                           timeout_s=args.timeout + 30)

@@ -1,9 +1,12 @@
 """The control channel of a running graph: a loopback HTTP port (``control_url`` in run.json) through
-which another process (`dynamo-ppd ctl`) lists, kills or restarts one component.
+which another process (`dynamo-ppd ctl`) lists, kills or restarts one component, or adds or retires
+one replica (a scale-out, a scale-in).
 
     GET  /status                          -> {"processes": [{label, pid, alive, restarts, ...}]}
     POST /kill     {"label": L, "signal": "KILL"}   -> {"label", "pid", "signal"}
     POST /restart  {"label": L, "timeout_s": 60}   -> the restart event (down_s, ready_after_s)
+    POST /add      {"component": C, "timeout_s": 90} -> {"label", "ready_after_s"}
+    POST /retire   {"label": L, "timeout_s": 90}   -> {"label", "exit_code", "gone_after_s"}
 
 Answers are JSON; an unknown label is 404 with the known ones in the message. Only 127.0.0.1 is
 bound: whoever can reach it can already signal our processes.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -47,6 +51,11 @@ class Controlled(Protocol):
     def kill(self, label: str, sig: int = ...) -> int: ...
 
     def restart(self, label: str, wait: bool = True, timeout_s: float = 60.0) -> RestartEvent: ...
+
+    def add_replica(self, component: str, wait: bool = True, timeout_s: float = 90.0
+                    ) -> tuple[str, RestartEvent]: ...
+
+    def retire(self, label: str, wait: bool = True, timeout_s: float = 90.0) -> RestartEvent: ...
 
 
 class ControlServer:
@@ -83,8 +92,18 @@ class ControlServer:
                     elif self.path == "/restart":
                         event = dep.restart(label, timeout_s=float(body.get("timeout_s", 60)))
                         self._answer(200, event.as_dict())
+                    elif self.path == "/add":
+                        added, event = dep.add_replica(str(body.get("component", "")),
+                                                       timeout_s=float(body.get("timeout_s", 90)))
+                        ready = None if event.ready_at is None else round(event.ready_at - event.exited_at, 3)
+                        self._answer(200, {"label": added, "ready_after_s": ready})
+                    elif self.path == "/retire":
+                        started = time.monotonic()
+                        event = dep.retire(label, timeout_s=float(body.get("timeout_s", 90)))
+                        self._answer(200, {"label": label, "exit_code": event.exit_code,
+                                           "gone_after_s": round(time.monotonic() - started, 3)})
                     else:
-                        self._answer(404, {"error": f"no {self.path}; POST /kill or /restart"})
+                        self._answer(404, {"error": f"no {self.path}; POST /kill, /restart, /add or /retire"})
                 except KeyError as exc:
                     self._answer(404, {"error": str(exc.args[0])})
                 except (ValueError, RuntimeError, TimeoutError) as exc:
