@@ -23,14 +23,18 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 
-def _classes(records: list[dict]) -> tuple[Counter, dict[str, list[float]]]:
+def _by_conversation(records: list[dict]) -> list[list[dict]]:
+    """Each conversation's records, in turn order."""
     by: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         by[r["conversation_id"]].append(r)
+    return [sorted(turns, key=lambda r: r["turn"]) for turns in by.values()]
+
+
+def _classes(records: list[dict]) -> tuple[Counter, dict[str, list[float]]]:
     counts: Counter = Counter()
     ttft: dict[str, list[float]] = defaultdict(list)
-    for turns in by.values():
-        turns.sort(key=lambda r: r["turn"])
+    for turns in _by_conversation(records):
         for before, r in zip(turns, turns[1:], strict=False):
             history = before["prompt_tokens"] + before["output_tokens"]
             share = r["cached_tokens"] / history if history else 1.0
@@ -45,11 +49,7 @@ def _classes(records: list[dict]) -> tuple[Counter, dict[str, list[float]]]:
 def _live_history(records: list[dict], start_s: float, end_s: float) -> float:
     """The median over [start_s, end_s] of the sessions' contexts summed, in tokens."""
     events: list[tuple[float, int]] = []
-    by: dict[str, list[dict]] = defaultdict(list)
-    for r in records:
-        by[r["conversation_id"]].append(r)
-    for turns in by.values():
-        turns.sort(key=lambda r: r["turn"])
+    for turns in _by_conversation(records):
         size = 0
         for r in turns:
             grown = r["prompt_tokens"] + r["output_tokens"]

@@ -321,6 +321,12 @@ def markdown(results: list[FaultResult]) -> str:
     return "\n\n".join([*parts, *([planned_markdown(planned)] if planned else [])])
 
 
+def _counters(r: FaultResult) -> str:
+    """The routers' counters of a fault, as a note reads them ("rehomes 4, residency_misses 5")."""
+    return ", ".join(f"{k.removesuffix('_total').removeprefix('ppd_')} {v:g}"
+                     for k, v in r.router_counters.items())
+
+
 def _switch(r: FaultResult) -> str:
     """The slowest step's switch; a configuration no decision was made in (a step's, left before the
     routing planned a turn, e.g. 1P2D between a ratio change's retirement and its addition) is
@@ -369,9 +375,7 @@ def planned_markdown(results: list[FaultResult]) -> str:
             notes.append(f"- {r.kind}: the routing decided in " + ", ".join(
                 f"{config} ({basis}) from {t:.1f} s" for t, config, basis in r.configurations))
         if r.router_counters:
-            counters = r.router_counters.items()
-            notes.append(f"- {r.kind}: router counters from the change on: " + ", ".join(
-                f"{k.removesuffix('_total').removeprefix('ppd_')} {v:g}" for k, v in counters))
+            notes.append(f"- {r.kind}: router counters from the change on: {_counters(r)}")
         if r.errors:
             notes.append(f"- {r.kind}: errors seen: {'; '.join(r.errors)}")
     return "\n".join(rows) + "\n\n" + "\n".join(notes)
@@ -393,9 +397,7 @@ def _faults_markdown(results: list[FaultResult]) -> str:
                     f"| {_pct(r.decode_local_after)} ({r.follow_ups_after}) | {recovery} |")
     notes = [f"- {r.kind}: also restarted by the supervisor: {', '.join(r.other_restarts)}"
              for r in results if r.other_restarts]
-    notes += [f"- {r.kind}: router counters from the fault on: "
-              + ", ".join(f"{k.removesuffix('_total').removeprefix('ppd_')} {v:g}"
-                          for k, v in r.router_counters.items())
+    notes += [f"- {r.kind}: router counters from the fault on: {_counters(r)}"
               for r in results if r.router_counters]
     notes += [f"- {r.kind}: errors seen: {'; '.join(r.errors)}" for r in results if r.errors]
     notes += [f"- {r.kind}: follow-ups sent {SETTLE_S:g} s or more after {r.target} was back: "

@@ -21,6 +21,7 @@ Planned changes (planned.py; not in the default set): ``rolling-restart``, ``sca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import sys
@@ -222,17 +223,6 @@ async def _play_with_fault(dep: Deployment, manifest: Manifest, settings: RunSet
         done = max((s.done_s or s.started_s for s in change.steps), default=at)
         fault.append(Fault(kind, change.target, round(at, 3), back_after_s=round(done - at, 3)))
 
-    if kind in PLANNED:
-        with ConfigurationWatch(dep, t0) as watch:
-            changing = asyncio.create_task(change_task())
-            records = await play(dep.base_url, manifest, t0, seed=settings.seed, on_record=progress,
-                                 stop_sending_s=settings.duration_s, system_tokens=settings.system_tokens)
-            await changing
-        changes[0].configurations = list(watch.seen)
-        mark_seen(changes[0].steps, changes[0].configurations)
-        snapshots.append(await asyncio.to_thread(router_counters, dep))
-        return records, fault[0], counter_delta(snapshots[0], snapshots[1]), changes[0]
-
     async def fault_task() -> None:
         await asyncio.sleep(max(0.0, t0 + settings.fault_at_s - time.monotonic()))
         target, load = await asyncio.to_thread(choose_target, dep, kind, settings.target, settings.aim_s)
@@ -245,12 +235,19 @@ async def _play_with_fault(dep: Deployment, manifest: Manifest, settings: RunSet
         fault.append(Fault(kind, target, round(at, 3), back_after_s=None if back is None else round(back, 3),
                            target_inflight=load))
 
-    faulting = asyncio.create_task(fault_task())
-    records = await play(dep.base_url, manifest, t0, seed=settings.seed, on_record=progress,
-                         stop_sending_s=settings.duration_s, system_tokens=settings.system_tokens)
-    await faulting
+    planned = kind in PLANNED
+    # A planned change's routing reports what it decides in throughout (`ConfigurationWatch`).
+    with ConfigurationWatch(dep, t0) if planned else contextlib.nullcontext() as watch:
+        faulting = asyncio.create_task(change_task() if planned else fault_task())
+        records = await play(dep.base_url, manifest, t0, seed=settings.seed, on_record=progress,
+                             stop_sending_s=settings.duration_s, system_tokens=settings.system_tokens)
+        await faulting
+    change = changes[0] if changes else None
+    if change is not None and watch is not None:
+        change.configurations = list(watch.seen)
+        mark_seen(change.steps, change.configurations)
     snapshots.append(await asyncio.to_thread(router_counters, dep))
-    return records, fault[0], counter_delta(snapshots[0], snapshots[1]), None
+    return records, fault[0], counter_delta(snapshots[0], snapshots[1]), change
 
 
 ROUTING_COMPONENTS = ("router", "picker")  # the relay router's graphs, the endpoint picker's

@@ -58,6 +58,15 @@ class _State:
     event: RestartEvent | None = None  # the restart waiting for its process to be ready
 
 
+def _stop(proc: ManagedProcess) -> int | None:
+    """SIGTERM, then SIGKILL after the process's stop timeout (its grace period); its exit code."""
+    proc.signal_group(signal.SIGTERM)
+    if not proc.wait_stopped(time.monotonic() + proc.stop_timeout_s):
+        proc.signal_group(signal.SIGKILL)
+        proc.wait_stopped(time.monotonic() + 5)
+    return proc.exit_code()
+
+
 class Supervisor:
     """Watches ``processes()``; with ``auto_restart`` a process that exits is started again.
 
@@ -198,11 +207,7 @@ class Supervisor:
         state = self._states.setdefault(proc.label, _State())
         self.events.append(event)
         try:
-            proc.signal_group(signal.SIGTERM)
-            if not proc.wait_stopped(time.monotonic() + proc.stop_timeout_s):
-                proc.signal_group(signal.SIGKILL)
-                proc.wait_stopped(time.monotonic() + 5)
-            event.exit_code = proc.exit_code()
+            event.exit_code = _stop(proc)
             with self._lock:
                 if self._halted:
                     event.done.set()
@@ -231,11 +236,7 @@ class Supervisor:
                 then()
                 self._log(f"  {proc.label} started (scale-out)")
             else:
-                proc.signal_group(signal.SIGTERM)
-                if not proc.wait_stopped(time.monotonic() + proc.stop_timeout_s):
-                    proc.signal_group(signal.SIGKILL)
-                    proc.wait_stopped(time.monotonic() + 5)
-                event.exit_code = proc.exit_code()
+                event.exit_code = _stop(proc)
                 then()
                 self._states.pop(proc.label, None)
                 self._log(f"  {proc.label} retired (scale-in; exit code {event.exit_code})")
