@@ -10,8 +10,9 @@ import pytest
 
 from dynamo_ppd.bench import results as res
 from dynamo_ppd.bench import sizing
-from dynamo_ppd.bench.compare import per_rate, speedup_args
+from dynamo_ppd.bench.compare import per_rate
 from dynamo_ppd.experiment import stats as bs
+from dynamo_ppd.launch.graph import speedup_args
 from dynamo_ppd.sim.outcome import summarize as summarize_outcome
 from dynamo_ppd.workloads.generators import make_workload
 

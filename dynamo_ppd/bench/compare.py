@@ -46,7 +46,7 @@ import msgspec
 from ..argtypes import cli_error, comma_choices, positive_floats, positive_int, positive_seconds
 from ..experiment.progress import Progress
 from ..launch import ServeOptions, start
-from ..launch.graph import Component, ReadyCheck, load_graph, ppd_components
+from ..launch.graph import Component, ReadyCheck, load_graph, speedup_args
 from ..launch.process import free_port
 from ..sim.cluster import parse_config
 from ..workloads.manifest import Manifest, load_manifest, scale_arrivals
@@ -139,15 +139,6 @@ def per_rate(values: list[float] | None, rates: list[float], what: str = "--dila
     if len(values) != len(rates):
         raise ValueError(f"{what} has {len(values)} values for {len(rates)} rates: give one, or one per rate")
     return values
-
-
-def speedup_args(graph: str, dilation: float) -> dict[str, list[str]]:
-    """``--speedup 1/N`` for every simulated worker, router and picker component of the graph."""
-    if dilation == 1.0:
-        return {}
-    loaded, _ = load_graph(graph)
-    flag = ["--speedup", repr(1.0 / dilation)]
-    return {name: flag for name in ppd_components(loaded)}
 
 
 def play(url: str, system: str, workload: str, rate: float, manifest: Manifest, seed: int,

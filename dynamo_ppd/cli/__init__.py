@@ -65,6 +65,47 @@ def _add_serve(sub) -> None:
                    help="engine profile (a bundled name or a YAML path, e.g. one `dynamo-ppd engine "
                    "profile` wrote) for every simulated worker and the PPD picker or router; default: "
                    "each component's own (h100-llama3.1-8b)")
+    p.add_argument("--dilation", type=float, default=1.0, metavar="N",
+                   help="run the simulated workers, the PPD router and picker N times slower (their "
+                   "--speedup 1/N), as `bench --dilation N` does, so a 2-core machine keeps up with a "
+                   "high rate; drive it with a client that stretches its schedule by N")
+    planner = p.add_argument_group(
+        "Dynamo's planner", "scale the prefill and decode replicas by load with Dynamo 1.6.1's planner "
+        "(python -m dynamo.planner, its virtual environment): a client process of the graph acts on "
+        "each decision (adds, then retires, replicas as `ctl add/retire` do) and reports it done")
+    planner.add_argument("--planner", nargs="?", const="dynamo", choices=("dynamo", "external"),
+                         help="dynamo: start Dynamo's planner with the settings below (needs the "
+                         "`planner` extra); external: start only the client, for a planner you run "
+                         "in the graph's namespace yourself")
+    planner.add_argument("--planner-prefill-queue", type=_up_down(int), default=(8192, 1024),
+                         metavar="UP,DOWN",
+                         help="add a prefill worker when one has UP prompt tokens queued; remove one "
+                         "when all have at most DOWN")
+    planner.add_argument("--planner-decode-kv", type=_up_down(float), default=(60.0, 20.0),
+                         metavar="UP,DOWN",
+                         help="add a decode worker when one holds UP percent of its KV capacity in "
+                         "running and queued decodes; remove one when all hold at most DOWN")
+    planner.add_argument("--planner-interval", type=int, default=5,
+                         help="seconds between the planner's load checks")
+    planner.add_argument("--planner-max-workers", type=int, default=8,
+                         help="the most prefill plus decode workers the planner may run")
+    planner.add_argument("--planner-config", type=Path, metavar="FILE",
+                         help="JSON or YAML of Dynamo PlannerConfig fields, merged over the above")
+
+
+def _up_down(kind):
+    """An argparse type: ``UP,DOWN`` with UP > DOWN >= 0."""
+
+    def parse(text: str):
+        try:
+            up, down = (kind(part) for part in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected UP,DOWN (two numbers), not {text!r}") from None
+        if not up > down >= 0:
+            raise argparse.ArgumentTypeError(f"need UP > DOWN >= 0, not {text!r}")
+        return up, down
+
+    return parse
 
 
 def _add_ctl(sub) -> None:
@@ -231,9 +272,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args) -> int:
     from ..launch import ServeOptions, serve
-    from ..launch.graph import load_graph, ppd_components
+    from ..launch.graph import load_graph, ppd_components, speedup_args
+    from ..launch.planner import PlannerOptions
 
-    extra: dict[str, list[str]] = {}
+    if not args.dilation > 0:
+        return cli_error("--dilation must be a positive factor (1: real time)")
+    if args.planner_max_workers < 2 or args.planner_interval < 1:
+        return cli_error("--planner-max-workers must be at least 2 (a prefill and a decode worker) "
+                         "and --planner-interval at least 1 s")
+    planner = None
+    if args.planner:
+        (queue_up, queue_down), (kv_up, kv_down) = args.planner_prefill_queue, args.planner_decode_kv
+        planner = PlannerOptions(external=args.planner == "external", prefill_queue_up=queue_up,
+                                 prefill_queue_down=queue_down, decode_kv_up=kv_up,
+                                 decode_kv_down=kv_down, interval_s=args.planner_interval,
+                                 max_workers=args.planner_max_workers, config_file=args.planner_config)
+    extra = speedup_args(args.graph, args.dilation)
     if args.profile:
         from ..engine.profile import load_profile
 
@@ -241,13 +295,14 @@ def _serve(args) -> int:
         path = Path(args.profile)
         profile = str(path.resolve()) if path.is_file() else args.profile
         graph, _ = load_graph(args.graph)
-        extra = {name: ["--profile", profile] for name in ppd_components(graph)}
+        for name in ppd_components(graph):
+            extra[name] = [*extra.get(name, []), "--profile", profile]
     return serve(ServeOptions(
         graph=args.graph, http_port=args.http_port, nats_port=args.nats_port,
         etcd_port=args.etcd_port, nats_url=args.nats_url, etcd_url=args.etcd_url,
         model_dir=args.model_dir, run_dir=args.run_dir, ready_timeout_s=args.ready_timeout,
         dry_run=args.dry_run, exit_when_ready=args.exit_when_ready, replicas=args.replicas,
-        supervise=args.supervise, extra_args=extra))
+        supervise=args.supervise, extra_args=extra, planner=planner))
 
 
 def _ctl(args) -> int:

@@ -159,3 +159,13 @@ def expand(text: str, values: dict[str, object]) -> str:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+def speedup_args(graph: str, dilation: float) -> dict[str, list[str]]:
+    """``--speedup 1/N`` for every simulated worker, router and picker component of ``graph`` (a
+    name or path): time dilation N, as `bench --dilation` and `serve --dilation` run it."""
+    if dilation == 1.0:
+        return {}
+    loaded, _ = load_graph(graph)
+    flag = ["--speedup", repr(1.0 / dilation)]
+    return {name: list(flag) for name in ppd_components(loaded)}

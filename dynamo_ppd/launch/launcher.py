@@ -28,6 +28,16 @@ from pathlib import Path
 from .. import model as model_dir_mod
 from .control import ControlServer
 from .graph import Component, Graph, expand, load_graph
+from .planner import (
+    DECISIONS_FILE,
+    ROLES,
+    PlannerOptions,
+    PlannerUnavailable,
+    check_available,
+    planner_config,
+    planner_process,
+    scaler_process,
+)
 from .process import ManagedProcess, ReadySpec, free_port, group_alive, port_in_use, stop_all
 from .servers import (
     Endpoints,
@@ -67,6 +77,8 @@ class ServeOptions:
     supervise: bool = False  # restart a process that exits instead of stopping the graph
     # component name -> arguments appended to its command (`bench --dilation` passes --speedup)
     extra_args: dict[str, list[str]] = field(default_factory=dict)
+    # Dynamo's planner scales the prefill and decode replicas (planner.py); None: nothing does.
+    planner: PlannerOptions | None = None
 
 
 @dataclass
@@ -301,6 +313,44 @@ def _with_replicas(graph: Graph, replicas: dict[str, int]) -> Graph:
         msgspec.structs.replace(c, replicas=replicas.get(c.name, c.replicas)) for c in graph.components])
 
 
+def _check_planner(graph: Graph, planner: PlannerOptions | None) -> None:
+    """BadInput unless the planner can run on this install and ``graph`` has what it scales."""
+    if planner is None:
+        return
+    names = {c.name for c in graph.components}
+    missing = [c for c in ROLES.values() if c not in names]
+    if missing:
+        raise BadInput(f"--planner scales the prefill and decode components; graph {graph.name!r} "
+                       f"lacks {' and '.join(repr(m) for m in missing)} (try graph ppd or ppd-relay)")
+    if not planner.external:
+        try:
+            check_available()
+        except PlannerUnavailable as exc:
+            raise BadInput(str(exc)) from None
+
+
+def _start_planner(deployment: Deployment, planner: PlannerOptions, log) -> None:
+    """The VirtualConnectorClient (scaler.py), then Dynamo's planner unless it runs elsewhere."""
+    assert deployment.factory is not None
+    ports = deployment.factory.taken
+
+    def env() -> dict[str, str]:
+        port = free_port(below=32768, avoid=ports)
+        ports.add(port)
+        return {**_inherited_env(), **dynamo_env(deployment.endpoints, port, os.environ.get("DYN_LOG"))}
+
+    namespace = deployment.graph.namespace
+    procs = [scaler_process(deployment.run_dir, namespace, env())]
+    if not planner.external:
+        config = planner_config(planner, namespace, deployment.model_name)
+        procs.append(planner_process(config, deployment.run_dir, env()))
+    for proc in procs:
+        proc.start()
+        deployment.workers.append(proc)
+        deployment.write_run_file("starting")
+        wait_ready([proc], log)
+
+
 def _with_extra_args(graph: Graph, extra: dict[str, list[str]]) -> Graph:
     import msgspec
 
@@ -381,6 +431,7 @@ def start(opts: ServeOptions, log=print) -> Deployment:
     """Bring the graph up and return it ready; on any failure, tear down what started and raise."""
     graph, graph_path = load_graph(opts.graph)
     graph = _with_extra_args(_with_replicas(graph, opts.replicas), opts.extra_args)
+    _check_planner(graph, opts.planner)
     _port_checks(opts)
     model_dir = Path(opts.model_dir or model_dir_mod.default_model_dir())
     if not model_dir_mod.is_complete(model_dir):
@@ -429,6 +480,9 @@ def start(opts: ServeOptions, log=print) -> Deployment:
         deployment.supervisor.start()
         deployment.control = ControlServer(deployment)
         deployment.control.start()
+        if opts.planner is not None:
+            deployment.write_run_file("starting")  # the client reads the control channel's URL
+            _start_planner(deployment, opts.planner, log)
     except BaseException:
         deployment.stop()
         raise
@@ -443,6 +497,7 @@ def dry_run(opts: ServeOptions, log=print) -> None:
 
     graph, graph_path = load_graph(opts.graph)
     graph = _with_extra_args(_with_replicas(graph, opts.replicas), opts.extra_args)
+    _check_planner(graph, opts.planner)
     model_dir = Path(opts.model_dir or model_dir_mod.default_model_dir())
     run_dir = Path(opts.run_dir or _default_run_dir(graph))
     endpoints = Endpoints(nats_url=opts.nats_url or f"nats://127.0.0.1:{opts.nats_port}",
@@ -461,6 +516,13 @@ def dry_run(opts: ServeOptions, log=print) -> None:
                 if importlib.util.find_spec(proc.argv[2]) is None:
                     raise BadInput(f"{proc.label}: Python module {proc.argv[2]!r} not found")
             log(f"  {proc.label}: {' '.join(proc.argv)}")
+    if opts.planner is not None:
+        log(f"  scaler: {sys.executable} -m dynamo_ppd.launch.scaler --run-dir {run_dir} "
+            f"--namespace {graph.namespace}")
+        if not opts.planner.external:
+            config = planner_config(opts.planner, graph.namespace, deployment.model_name)
+            log(f"  planner: {sys.executable} -m dynamo.planner --config {run_dir}/planner-config.json "
+                f"({json.dumps(config)})")
 
 
 def serve(opts: ServeOptions) -> int:
@@ -510,6 +572,9 @@ def _print_ready(dep: Deployment) -> None:
     metrics = "".join(f"\n{label} metrics: {url}" for label, url in dep.metrics_urls.items())
     mode = ("supervised: a process that exits is started again" if dep.supervise
             else "any process exiting stops the graph")
+    if any(p.label == "scaler" for p in dep.workers):
+        mode = (f"the planner's decisions: {dep.run_dir}/{DECISIONS_FILE} (and logs/scaler.log)\n  "
+                + mode)
     body = json.dumps({"model": dep.model_name, "stream": True, "max_tokens": 32,
                        "messages": [{"role": "user", "content": "Hello! Who are you?"}]})
     print(f"""
