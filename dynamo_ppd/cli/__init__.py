@@ -81,7 +81,7 @@ def _add_serve(sub) -> None:
                          metavar="UP,DOWN",
                          help="add a prefill worker when one has UP prompt tokens queued; remove one "
                          "when all have at most DOWN")
-    planner.add_argument("--planner-decode-kv", type=_up_down(float), default=(60.0, 20.0),
+    planner.add_argument("--planner-decode-kv", type=_up_down(float), default=(50.0, 15.0),
                          metavar="UP,DOWN",
                          help="add a decode worker when one holds UP percent of its KV capacity in "
                          "running and queued decodes; remove one when all hold at most DOWN")

@@ -49,11 +49,13 @@ class PlannerOptions:
     # Load scaling's thresholds (Dynamo sets no default). A prefill worker with a full iteration of
     # prompt tokens (the profile's max_num_tokens, 8192) waiting adds an iteration to every new
     # TTFT: scale out there, in once the queue is an eighth of that. Decode: the share of KV
-    # capacity the running and queued decodes hold, in percent.
+    # capacity the running and queued decodes hold, in percent. Under PPD a decode worker's KV also
+    # keeps the histories of paused conversations (what makes a follow-up decode-local), so half
+    # of it in running decodes is already a squeeze: scale out at 50%, in at 15%.
     prefill_queue_up: int = 8192
     prefill_queue_down: int = 1024
-    decode_kv_up: float = 60.0
-    decode_kv_down: float = 20.0
+    decode_kv_up: float = 50.0
+    decode_kv_down: float = 15.0
     interval_s: int = 5  # load_adjustment_interval_seconds (the planner's tick)
     max_workers: int = 8  # max_gpu_budget, one GPU a worker
     config_file: Path | None = None
