@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the planner's decode KV thresholds, percent (serve --planner-decode-kv)")
     p.add_argument("--prefill-queue", default="8192,1024", metavar="UP,DOWN",
                    help="the planner's prefill queue thresholds, tokens (serve --planner-prefill-queue)")
+    p.add_argument("--no-planner", action="store_true",
+                   help="the baseline: the same load on the --start layout, nothing scaling it")
+    p.add_argument("--replot", action="store_true",
+                   help="start nothing: redraw OUT.png and rewrite OUT.md from OUT.json")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--out", type=Path, default=Path("docs/bench/issue42/planner-rise"),
                    help="writes OUT.json, OUT.md and OUT.png")
@@ -169,11 +173,20 @@ def worker_rows(samples: list[dict]) -> list[dict]:
                 first.setdefault(label, sample["t"])
                 last[label] = routes
     total = sum(sum(r.values()) for r in last.values()) or 1
+    # What each served once the newest worker was serving: the split a join leads to.
+    newest = max(first.values(), default=0.0)
+    at_join: dict[str, dict[str, float]] = next((s["decode"] for s in samples if s["t"] >= newest), {})
+    since = {label: sum(last[label].values()) - sum(at_join.get(label, {}).values()) for label in first}
+    since_total = sum(since.values()) or 1
     return [{"worker": label, "seen_from_s": first[label], "served": last[label],
-             "share": round(sum(last[label].values()) / total, 3)} for label in sorted(first)]
+             "share": round(sum(last[label].values()) / total, 3),
+             "share_since_last_join": round(since[label] / since_total, 3)} for label in sorted(first)]
 
 
-def plot(samples: list[dict], rates: list[float], step_s: float, path: Path) -> None:
+WINDOW_S = 5.0  # model seconds over which the plot averages each worker's request rate
+
+
+def plot(samples: list[dict], rates: list[float], step_s: float, decided: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -186,16 +199,26 @@ def plot(samples: list[dict], rates: list[float], step_s: float, path: Path) -> 
     axes[1].step(t, [len(s["prefill"]) for s in samples], where="post", label="prefill workers")
     axes[1].step(t, [len(s["decode"]) for s in samples], where="post", label="decode workers")
     axes[1].set_ylabel("workers")
+    axes[1].yaxis.get_major_locator().set_params(integer=True)
     axes[1].legend(loc="upper left")
     labels = sorted({label for s in samples for label in s["decode"]})
     for label in labels:
         points = [(s["t"], sum(s["decode"][label].values())) for s in samples if label in s["decode"]]
-        rate = [(b[1] - a[1]) / max(1e-9, b[0] - a[0]) for a, b in zip(points, points[1:], strict=False)]
-        axes[2].plot([p[0] for p in points[1:]], rate, label=label)
-    axes[2].set_ylabel("requests served /s")
+        times, rate, start = [], [], 0
+        for t, count in points:
+            while points[start][0] < t - WINDOW_S:
+                start += 1
+            if t - points[start][0] > 0:
+                times.append(t)
+                rate.append((count - points[start][1]) / (t - points[start][0]))
+        axes[2].plot(times, rate, label=label)
+    for ax in axes:
+        for d in decided:
+            ax.axvline(d["t"], color="grey", linestyle=":", linewidth=1)
+    axes[2].set_ylabel(f"requests served /s ({WINDOW_S:g} s window)")
     axes[2].set_xlabel("model seconds since the load began")
     axes[2].legend(loc="upper left")
-    fig.suptitle("serve --planner: Dynamo's planner on the ppd graph under a rising load")
+    fig.suptitle("Dynamo's planner on the ppd graph under a rising load (dotted: its decisions)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -224,32 +247,52 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['rate']:g} | {r['from_s']:g} | {r['conversations']} | {r['turns']} | "
                      f"{r['failed']} | {ttft} | {tpot} |")
     lines += ["", "## Decode workers\n", "| worker | serving from (model s) | decode-local | via prefill | "
-              "share of decode requests |", "|---|---|---|---|---|"]
+              "share of decode requests | share once the last one joined |", "|---|---|---|---|---|---|"]
     for w in report["workers"]:
         lines.append(f"| {w['worker']} | {w['seen_from_s']} | {w['served'].get('decode_local', 0):g} | "
-                     f"{w['served'].get('via_prefill', 0):g} | {w['share']:.0%} |")
-    lines += ["", f"Turns: {report['turns']}, failed {report['failed']}, cut at the end {report['cut']}.",
+                     f"{w['served'].get('via_prefill', 0):g} | {w['share']:.0%} | "
+                     f"{w.get('share_since_last_join', w['share']):.0%} |")
+    failures = "".join(f"\n- {f['conversation']} turn {f['turn']}, sent at {f['sent_s']} s: "
+                       + (f"error {f['error']}" if f["error"] else
+                          f"{f['output_tokens']} tokens in {f['e2e_s']:.1f} s, past the 30 s chat timeout")
+                       for f in report.get("failures", []))
+    lines += ["", f"Turns: {report['turns']}, failed {report['failed']}, cut at the end {report['cut']}."
+              + failures,
               "", f"![workers and load over time]({Path(report['plot']).name})", ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        report = json.loads(args.out.with_suffix(".json").read_text())
+        report["workers"] = worker_rows(report["samples"])
+        args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+        plot(report["samples"], report["rates"], report["step_s"], report["decisions"],
+             args.out.with_suffix(".png"))
+        args.out.with_suffix(".md").write_text(markdown(report))
+        return 0
     rates = [float(r) for r in args.rates.split(",")]
     n = args.dilation
     replicas = {k: int(v) for k, v in (part.split("=") for part in args.start.split(","))}
     kv_up, kv_down = (float(x) for x in args.decode_kv.split(","))
     q_up, q_down = (int(x) for x in args.prefill_queue.split(","))
     manifest = rising(args.workload, rates, args.step, args.seed)
+    import subprocess
+
+    # The tree the run uses, read before it starts (a commit made during a 25-minute run is not it).
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
     run_dir = Path("runs") / f"planner-rise-{time.strftime('%Y%m%d-%H%M%S')}"
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    say(f"bringing up {args.graph} ({args.start}) with Dynamo's planner; logs in {run_dir}/logs")
+    planned = "" if args.no_planner else " with Dynamo's planner"
+    say(f"bringing up {args.graph} ({args.start}){planned}; logs in {run_dir}/logs")
     dep = start(ServeOptions(graph=args.graph, http_port=free_port(), nats_port=free_port(),
                              etcd_port=free_port(), run_dir=run_dir, replicas=replicas, supervise=True,
                              extra_args=speedup_args(args.graph, n),
-                             planner=PlannerOptions(prefill_queue_up=q_up, prefill_queue_down=q_down,
-                                                    decode_kv_up=kv_up, decode_kv_down=kv_down,
-                                                    interval_s=args.interval)), log=say)
+                             planner=None if args.no_planner else PlannerOptions(
+                                 prefill_queue_up=q_up, prefill_queue_down=q_down, decode_kv_up=kv_up,
+                                 decode_kv_down=kv_down, interval_s=args.interval)), log=say)
     try:
         total = sum(len(c.turns) for c in manifest.conversations)
         progress = Progress(total, "planner-rise", "turns", every_s=30.0)
@@ -262,13 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                                                on_result=lambda r: progress.step(not r.ok and not r.cut)))
         progress.close()
         found = decisions(run_dir, t0_unix, n)
-        ticks = planner_ticks(run_dir)
+        ticks = {} if args.no_planner else planner_ticks(run_dir)
     finally:
         dep.stop()
-    import subprocess
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "command": "uv run python scripts/planner_load_rise.py "
@@ -280,9 +319,13 @@ def main(argv: list[str] | None = None) -> int:
         "steps": figures(results, rates, args.step), "workers": worker_rows(sampler.samples),
         "turns": sum(not r.cut for r in results), "failed": sum(not r.ok and not r.cut for r in results),
         "cut": sum(r.cut for r in results), "plot": str(args.out.with_suffix(".png")),
+        # each failure: an error, or an answer past the chat timeout (the benchmark's definition)
+        "failures": [{"conversation": r.conversation_id, "turn": r.turn, "sent_s": round(r.sent_s, 2),
+                      "e2e_s": r.e2e_s, "output_tokens": r.output_tokens, "error": r.error}
+                     for r in results if not r.ok and not r.cut],
         "samples": sampler.samples,
     }
-    plot(sampler.samples, rates, args.step, args.out.with_suffix(".png"))
+    plot(sampler.samples, rates, args.step, found, args.out.with_suffix(".png"))
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))
