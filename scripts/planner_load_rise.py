@@ -40,6 +40,7 @@ from dynamo_ppd.launch import ServeOptions, start
 from dynamo_ppd.launch.graph import speedup_args
 from dynamo_ppd.launch.planner import DECISIONS_FILE, PlannerOptions
 from dynamo_ppd.launch.process import free_port
+from dynamo_ppd.launch.scaler import read_decisions
 from dynamo_ppd.workloads.generators import make_workload
 from dynamo_ppd.workloads.manifest import Manifest
 
@@ -127,10 +128,9 @@ class Sampler:
 
 def decisions(run_dir: Path, t0_unix: float, n: float) -> list[dict]:
     """The client's record of each decision, times in model seconds since the load began."""
-    path = run_dir / DECISIONS_FILE
     out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        d = json.loads(line)
+    for decision in read_decisions(run_dir / DECISIONS_FILE):
+        d = msgspec.structs.asdict(decision)
         d["t"] = round((d["received_at"] - t0_unix) / n, 2)
         d["done_after_s"] = round(d["completed_at"] - d["received_at"], 2)  # wall
         out.append(d)

@@ -7,13 +7,14 @@ import importlib.util
 import json
 import sys
 
+import msgspec
 import pytest
 
 from dynamo_ppd.launch import BadInput
 from dynamo_ppd.launch.graph import load_graph
 from dynamo_ppd.launch.launcher import _check_planner
 from dynamo_ppd.launch.planner import SHIM_DIR, PlannerOptions, planner_config
-from dynamo_ppd.launch.scaler import plan, replicas_of, settled
+from dynamo_ppd.launch.scaler import Decision, plan, read_decisions, replicas_of, settled
 
 pytestmark = pytest.mark.unit
 
@@ -85,3 +86,14 @@ def test_serve_refuses_a_planner_that_cannot_run(monkeypatch):
         _check_planner(ppd, PlannerOptions())
     _check_planner(ppd, PlannerOptions(external=True))
     _check_planner(ppd, None)
+
+
+def test_the_decisions_file_round_trips_and_refuses_a_bad_line(tmp_path):
+    path = tmp_path / "planner-decisions.jsonl"
+    assert read_decisions(path) == []
+    decision = Decision(3, -1, 2, 1.5, {"prefill": 1, "decode": 1}, added=["decode-1"], completed_at=2.0)
+    path.write_bytes(msgspec.json.encode(decision) + b"\n")
+    assert read_decisions(path) == [decision]
+    path.write_text('{"decision_id": "three"}\n')
+    with pytest.raises(msgspec.ValidationError):
+        read_decisions(path)

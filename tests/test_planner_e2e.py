@@ -7,7 +7,6 @@ measured in docs/planner.md; CI does not install its ~550 MB of dependencies."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from dynamo_ppd.launch.planner import DECISIONS_FILE
+from dynamo_ppd.launch.scaler import read_decisions
 
 HERE = Path(__file__).parent
 _SERVED = re.compile(r'^dynamo_ppd_worker_served_requests_total\{route="([^"]+)"\}\s+(\S+)', re.MULTILINE)
@@ -95,9 +95,9 @@ def test_the_planners_decisions_scale_the_graph_and_ppd_routes_to_the_new_worker
     assert planner.next()[1:4] == ["0", "-1", "2"]
     record = run.record()
     assert decode_labels(record) == ["decode", "decode-1"]
-    line = json.loads((run.run_dir / DECISIONS_FILE).read_text().splitlines()[0])
-    assert line["added"] == ["decode-1"] and line["retired"] == [] and not line["errors"]
-    assert line["before"] == {"prefill": 1, "decode": 1} and line["completed_at"] >= line["received_at"]
+    first = read_decisions(run.run_dir / DECISIONS_FILE)[0]
+    assert first.added == ["decode-1"] and first.retired == [] and not first.errors
+    assert first.before == {"prefill": 1, "decode": 1} and first.completed_at >= first.received_at
 
     # PPD routes to it: new conversations land on the worker that joined, follow-ups stay there.
     for i in range(6):
@@ -108,9 +108,9 @@ def test_the_planners_decisions_scale_the_graph_and_ppd_routes_to_the_new_worker
     # Scale-in: back to one decode worker; the one holding less KV leaves, and the graph serves on.
     assert planner.next()[1:4] == ["1", "-1", "1"]
     planner.close()
-    line = json.loads((run.run_dir / DECISIONS_FILE).read_text().splitlines()[1])
-    assert line["decision_id"] == 1 and len(line["retired"]) == 1 and line["added"] == [], line
-    assert decode_labels(run.record()) == sorted({"decode", "decode-1"} - set(line["retired"]))
+    second = read_decisions(run.run_dir / DECISIONS_FILE)[1]
+    assert second.decision_id == 1 and len(second.retired) == 1 and second.added == [], second
+    assert decode_labels(run.record()) == sorted({"decode", "decode-1"} - set(second.retired))
     conversation(run.base_url, "after-scale-in")
     assert "planner decision 1 done" in (run.run_dir / "logs" / "scaler.log").read_text()
 

@@ -10,11 +10,10 @@ discovers match. This process runs beside the graph (`serve --planner` starts it
    if it is new or the graph's running replicas (the control channel's ``/status``) differ from
    it: level-triggered, as an operator reconciles a Deployment's replicas, so a replica count the
    planner set holds (the planner owns the prefill and decode counts while it runs);
-2. compare the counts with the running replicas;
-3. add the missing replicas first, then retire the surplus (a surge, as a rollout does: capacity
+2. add the missing replicas first, then retire the surplus (a surge, as a rollout does: capacity
    never dips below the smaller of the two layouts), each through the control channel, which
    waits for a new worker to be ready and for a retired one to drain and exit;
-4. ``complete`` the decision, and append what was done to RUN_DIR/planner-decisions.jsonl.
+3. ``complete`` the decision, and append what was done to RUN_DIR/planner-decisions.jsonl.
 
 Which replica leaves on a scale-in follows from what a scale-in costs PPD: every session whose
 history the leaving decode worker holds is re-prefilled elsewhere on its next turn. So the replica
@@ -33,8 +32,10 @@ import signal
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgspec
 
 from .control import ControlError, call, control_url
 from .planner import DECISIONS_FILE, ROLES
@@ -83,19 +84,26 @@ def plan(running: dict[str, list[str]], wanted: dict[str, int], kv_used: dict[st
     return out
 
 
-@dataclass
-class Decision:
-    """One of the planner's decisions and what this client did about it (a line of the file)."""
+class Decision(msgspec.Struct):
+    """One of the planner's decisions and what this client did about it: a line of
+    RUN_DIR/planner-decisions.jsonl."""
 
     decision_id: int
-    prefill: int
+    prefill: int  # -1: left unset
     decode: int
     received_at: float  # unix time
-    before: dict[str, int]
-    added: list[str] = field(default_factory=list)
-    retired: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    before: dict[str, int]  # role -> running replicas when it arrived
+    added: list[str] = msgspec.field(default_factory=list)
+    retired: list[str] = msgspec.field(default_factory=list)
+    errors: list[str] = msgspec.field(default_factory=list)
     completed_at: float | None = None
+
+
+def read_decisions(path: Path) -> list[Decision]:
+    """The decisions file, validated; empty when no decision was made."""
+    if not path.exists():
+        return []
+    return [msgspec.json.decode(line, type=Decision) for line in path.read_bytes().splitlines() if line]
 
 
 _KV_USED = re.compile(r"^dynamo_ppd_engine_kv_used_blocks\s+(\S+)", re.MULTILINE)
@@ -230,7 +238,7 @@ async def run(run_dir: Path, namespace: str) -> None:
         log.info("planner decision %d done in %.1f s: %s -> %s", decision.decision_id,
                  decision.completed_at - decision.received_at, _layout(decision.before), _layout(after))
         with open(record_path, "a") as out:
-            out.write(json.dumps(asdict(decision)) + "\n")
+            out.write(msgspec.json.encode(decision).decode() + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
