@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -86,6 +87,9 @@ def test_serve_refuses_a_planner_that_cannot_run(monkeypatch):
         _check_planner(ppd, PlannerOptions())
     _check_planner(ppd, PlannerOptions(external=True))
     _check_planner(ppd, None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    with pytest.raises(BadInput, match="--planner-config /nonexistent.yaml"):
+        _check_planner(ppd, PlannerOptions(config_file=Path("/nonexistent.yaml")))
 
 
 def test_the_decisions_file_round_trips_and_refuses_a_bad_line(tmp_path):

@@ -325,7 +325,8 @@ def _check_planner(graph: Graph, planner: PlannerOptions | None) -> None:
     if not planner.external:
         try:
             check_available()
-        except PlannerUnavailable as exc:
+            planner_config(planner, graph.namespace, "-")  # a bad --planner-config fails here, not late
+        except (PlannerUnavailable, ValueError) as exc:
             raise BadInput(str(exc)) from None
 
 
