@@ -221,7 +221,12 @@ async def run(run_dir: Path, namespace: str) -> None:
         # acted on again while the graph differs from it. A restarted 1.6.1 planner numbers its
         # decisions from 0 again, and its coordinator takes the old acknowledgement of decision 0
         # as this one's (`VirtualConnectorCoordinator` keeps no count across restarts).
-        running = await asyncio.to_thread(graph.running)
+        try:
+            running = await asyncio.to_thread(graph.running)
+        except ControlError as exc:  # the graph is stopping, or its channel is busy: look again
+            log.warning("cannot read the graph's replicas: %s", exc)
+            await asyncio.sleep(WAIT_POLL_S)
+            continue
         if decision_id == done and settled(running, wanted):
             continue
         decision = Decision(decision_id, wanted[ROLES["prefill"]], wanted[ROLES["decode"]],
