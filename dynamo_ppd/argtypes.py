@@ -99,3 +99,18 @@ def replica_counts(text: str) -> dict[str, int]:
             raise argparse.ArgumentTypeError(f"{item!r} is not NAME=COUNT (e.g. prefill=2)")
         out[name.strip()] = int(count)
     return out
+
+
+def up_down(kind: Callable[[str], Any]):
+    """An argparse type: ``UP,DOWN`` thresholds with UP > DOWN >= 0, each parsed by ``kind``."""
+
+    def parse(text: str) -> tuple:
+        try:
+            up, down = (kind(part) for part in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected UP,DOWN (two numbers), not {text!r}") from None
+        if not up > down >= 0:
+            raise argparse.ArgumentTypeError(f"need UP > DOWN >= 0, not {text!r}")
+        return up, down
+
+    return parse

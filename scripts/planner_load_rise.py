@@ -33,17 +33,19 @@ from pathlib import Path
 
 import msgspec
 
+from dynamo_ppd.argtypes import positive_floats, replica_counts, up_down
 from dynamo_ppd.bench.client import RequestResult, run_manifest
 from dynamo_ppd.experiment.progress import Progress
 from dynamo_ppd.experiment.stats import bootstrap
 from dynamo_ppd.launch import ServeOptions, start
-from dynamo_ppd.launch.graph import speedup_args
+from dynamo_ppd.launch.graph import replicas_of, speedup_args
 from dynamo_ppd.launch.planner import DECISIONS_FILE, PlannerOptions
 from dynamo_ppd.launch.process import free_port
 from dynamo_ppd.launch.scaler import read_decisions
 from dynamo_ppd.workloads.generators import make_workload
 from dynamo_ppd.workloads.manifest import Manifest
 
+DEFAULTS = PlannerOptions()  # serve --planner's thresholds
 _SERVED = re.compile(r'^dynamo_ppd_worker_served_requests_total\{route="([^"]+)"\}\s+(\S+)', re.MULTILINE)
 _SUMMARY = re.compile(r"^(\S+)\s+INFO\s+base\._log_decision_summary: \[summary\] (\w+) \| current: "
                       r"prefill=(\d+) decode=(\d+) \| recommended: prefill=(\S+) decode=(\S+) .*?"
@@ -53,7 +55,8 @@ _SUMMARY = re.compile(r"^(\S+)\s+INFO\s+base\._log_decision_summary: \[summary\]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--rates", default="1,2,4,8", help="conv/s of each step, in order")
+    p.add_argument("--rates", type=positive_floats("rates"), default=[1.0, 2.0, 4.0, 8.0],
+                   help="conv/s of each step, in order")
     p.add_argument("--step", type=float, default=20.0, help="model seconds of arrivals per rate")
     p.add_argument("--cut-after", type=float, default=10.0,
                    help="model seconds after the last arrival step at which the run is cut (turns then "
@@ -61,11 +64,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", default="wildchat", help="named workload")
     p.add_argument("--dilation", type=float, default=10.0, help="time dilation N")
     p.add_argument("--graph", default="ppd", help="graph to serve")
-    p.add_argument("--start", default="prefill=1,decode=1", help="replicas at the start")
-    p.add_argument("--interval", type=int, default=5, help="the planner's tick, wall seconds")
-    p.add_argument("--decode-kv", default="50,15", metavar="UP,DOWN",
+    p.add_argument("--start", type=replica_counts, default={"prefill": 1, "decode": 1},
+                   help="replicas at the start, e.g. prefill=1,decode=1")
+    p.add_argument("--interval", type=int, default=DEFAULTS.interval_s,
+                   help="the planner's tick, wall seconds")
+    p.add_argument("--decode-kv", type=up_down(float), metavar="UP,DOWN",
+                   default=(DEFAULTS.decode_kv_up, DEFAULTS.decode_kv_down),
                    help="the planner's decode KV thresholds, percent (serve --planner-decode-kv)")
-    p.add_argument("--prefill-queue", default="8192,1024", metavar="UP,DOWN",
+    p.add_argument("--prefill-queue", type=up_down(int),
+                   default=(DEFAULTS.prefill_queue_up, DEFAULTS.prefill_queue_down), metavar="UP,DOWN",
                    help="the planner's prefill queue thresholds, tokens (serve --planner-prefill-queue)")
     p.add_argument("--no-planner", action="store_true",
                    help="the baseline: the same load on the --start layout, nothing scaling it")
@@ -117,8 +124,7 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             procs = {p.label: p for p in list(self.dep.workers)}
-            decode = [label for label in procs if label == "decode" or label.startswith("decode-")]
-            prefill = [label for label in procs if label == "prefill" or label.startswith("prefill-")]
+            decode, prefill = replicas_of(list(procs), "decode"), replicas_of(list(procs), "prefill")
             self.samples.append({
                 "t": round((time.monotonic() - self.t0) / self.n, 2), "prefill": sorted(prefill),
                 "decode": {label: served(int(procs[label].env.get("DYN_SYSTEM_PORT") or 0))
@@ -272,11 +278,9 @@ def main(argv: list[str] | None = None) -> int:
              args.out.with_suffix(".png"))
         args.out.with_suffix(".md").write_text(markdown(report))
         return 0
-    rates = [float(r) for r in args.rates.split(",")]
-    n = args.dilation
-    replicas = {k: int(v) for k, v in (part.split("=") for part in args.start.split(","))}
-    kv_up, kv_down = (float(x) for x in args.decode_kv.split(","))
-    q_up, q_down = (int(x) for x in args.prefill_queue.split(","))
+    rates, n, replicas = args.rates, args.dilation, args.start
+    (kv_up, kv_down), (q_up, q_down) = args.decode_kv, args.prefill_queue
+    start_layout = ",".join(f"{name}={count}" for name, count in replicas.items())
     manifest = rising(args.workload, rates, args.step, args.seed)
     import subprocess
 
@@ -286,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path("runs") / f"planner-rise-{time.strftime('%Y%m%d-%H%M%S')}"
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     planned = "" if args.no_planner else " with Dynamo's planner"
-    say(f"bringing up {args.graph} ({args.start}){planned}; logs in {run_dir}/logs")
+    say(f"bringing up {args.graph} ({start_layout}){planned}; logs in {run_dir}/logs")
     dep = start(ServeOptions(graph=args.graph, http_port=free_port(), nats_port=free_port(),
                              etcd_port=free_port(), run_dir=run_dir, replicas=replicas, supervise=True,
                              extra_args=speedup_args(args.graph, n),
@@ -296,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         total = sum(len(c.turns) for c in manifest.conversations)
         progress = Progress(total, "planner-rise", "turns", every_s=30.0)
-        say(f"playing {len(manifest.conversations)} conversations at {args.rates} conv/s, "
+        shown = ",".join(f"{r:g}" for r in rates)
+        say(f"playing {len(manifest.conversations)} conversations at {shown} conv/s, "
             f"{args.step:g} model s each (x{n:g}: ~{len(rates) * args.step * n / 60:.0f} min of arrivals)")
         t0, t0_unix = time.monotonic(), time.time()
         with Sampler(dep, t0, n) as sampler:
@@ -312,9 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "uv run python scripts/planner_load_rise.py "
                    + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": commit, "date": time.strftime("%Y-%m-%d"), "graph": args.graph, "start": args.start,
+        "commit": commit, "date": time.strftime("%Y-%m-%d"), "graph": args.graph, "start": start_layout,
         "workload": args.workload, "rates": rates, "step_s": args.step, "dilation": n,
-        "interval": args.interval, "decode_kv": args.decode_kv, "prefill_queue": args.prefill_queue,
+        "interval": args.interval, "decode_kv": f"{kv_up:g},{kv_down:g}",
+        "prefill_queue": f"{q_up},{q_down}",
         "decisions": found, "ticks": ticks,
         "steps": figures(results, rates, args.step), "workers": worker_rows(sampler.samples),
         "turns": sum(not r.cut for r in results), "failed": sum(not r.ok and not r.cut for r in results),

@@ -12,10 +12,10 @@ import msgspec
 import pytest
 
 from dynamo_ppd.launch import BadInput
-from dynamo_ppd.launch.graph import load_graph
+from dynamo_ppd.launch.graph import load_graph, replicas_of
 from dynamo_ppd.launch.launcher import _check_planner
 from dynamo_ppd.launch.planner import SHIM_DIR, PlannerOptions, planner_config
-from dynamo_ppd.launch.scaler import Decision, plan, read_decisions, replicas_of, settled
+from dynamo_ppd.launch.scaler import Decision, plan, read_decisions, settled
 
 pytestmark = pytest.mark.unit
 
@@ -101,3 +101,13 @@ def test_the_decisions_file_round_trips_and_refuses_a_bad_line(tmp_path):
     path.write_text('{"decision_id": "three"}\n')
     with pytest.raises(msgspec.ValidationError):
         read_decisions(path)
+
+
+def test_serves_planner_flags_default_to_planner_options():
+    from dynamo_ppd.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--planner"])
+    defaults = PlannerOptions()
+    assert args.planner_prefill_queue == (defaults.prefill_queue_up, defaults.prefill_queue_down)
+    assert args.planner_decode_kv == (defaults.decode_kv_up, defaults.decode_kv_down)
+    assert (args.planner_interval, args.planner_max_workers) == (defaults.interval_s, defaults.max_workers)

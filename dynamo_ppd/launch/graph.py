@@ -161,6 +161,12 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def replicas_of(labels: list[str], component: str) -> list[str]:
+    """The labels of ``component``'s replicas among ``labels``: ``decode`` alone, or ``decode-0``,
+    ``decode-1`` ... (the launcher's naming), not ``decoder`` nor ``prefill-0``."""
+    return [label for label in labels if label == component or label.rpartition("-")[0] == component]
+
+
 def speedup_args(graph: str, dilation: float) -> dict[str, list[str]]:
     """``--speedup 1/N`` for every simulated worker, router and picker component of ``graph`` (a
     name or path): time dilation N, as `bench --dilation` and `serve --dilation` run it."""

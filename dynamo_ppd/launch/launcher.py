@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .. import model as model_dir_mod
 from .control import ControlServer
-from .graph import Component, Graph, expand, load_graph
+from .graph import Component, Graph, expand, load_graph, replicas_of
 from .planner import (
     DECISIONS_FILE,
     ROLES,
@@ -146,8 +146,7 @@ class Deployment:
 
     def labels(self, component: str) -> list[str]:
         """The process labels of a component (``decode`` -> decode-0, decode-1, ...)."""
-        return [p.label for p in self.processes()
-                if p.label == component or p.label.rpartition("-")[0] == component]
+        return replicas_of([p.label for p in self.processes()], component)
 
     def kill(self, label: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to one process's group; returns the pid signalled. Supervised, the process

@@ -38,18 +38,13 @@ from pathlib import Path
 import msgspec
 
 from .control import ControlError, call, control_url
+from .graph import replicas_of
 from .planner import DECISIONS_FILE, ROLES
 
 log = logging.getLogger("dynamo_ppd.scaler")
 
 WAIT_POLL_S = 2.0  # how long one wait() may block before the loop looks again
 STEP_TIMEOUT_S = 120.0  # one replica's start or drain
-
-
-def replicas_of(labels: list[str], component: str) -> list[str]:
-    """The labels of ``component``'s replicas (``decode`` -> decode-0, decode-1 ...), as
-    `Deployment.labels` names them."""
-    return [label for label in labels if label == component or label.rpartition("-")[0] == component]
 
 
 def _replica_index(label: str) -> int:
