@@ -342,6 +342,32 @@ async def test_fail_open_when_the_picker_hangs_past_the_timeout(upstream, epp):
     assert gw.metrics.value("ppd_gateway_picker_fail_open_total") == 1
 
 
+async def test_one_slow_request_does_not_eject_the_picker_but_failures_in_a_row_do(upstream, epp):
+    # Envoy's outlier detection, not a one-strike rule: a request the picker does not answer in
+    # time goes on unrouted, and the next request is the picker's again; --picker-eject-after
+    # failures in a row leave it out for the retry period.
+    epp.set_headers = {"x-routed": "yes"}
+    async with await _gateway(upstream, epp.address, picker_timeout_ms=200, picker_eject_after=3,
+                              picker_retry_after_s=30) as gw, httpx.AsyncClient(base_url=gw.url) as client:
+        epp.hang = True
+        assert (await client.post("/v1/chat/completions", json={"model": "m"})).status_code == 200
+        epp.hang = False
+        assert (await client.post("/v1/chat/completions", json={"model": "m"})).status_code == 200
+        assert _values(upstream.requests[-1], "x-routed") == ["yes"]  # still asked, and it answered
+        assert gw.metrics.value("ppd_gateway_picker_failures_total") == 1
+        assert gw.metrics.value("ppd_gateway_picker_ejections_total") == 0
+        epp.hang = True
+        for _ in range(3):
+            await client.post("/v1/chat/completions", json={"model": "m"})
+        assert gw.metrics.value("ppd_gateway_picker_ejections_total") == 1
+        epp.hang = False
+        asked = len(epp.streams)
+        started = time.monotonic()
+        assert (await client.post("/v1/chat/completions", json={"model": "m"})).status_code == 200
+        assert len(epp.streams) == asked and time.monotonic() - started < 0.2  # left out: not asked
+        assert _values(upstream.requests[-1], "x-routed") == []
+
+
 async def test_pickers_take_turns_and_a_restarted_one_is_used_again(upstream, epp):
     second = await FakeEpp().start()
     epp.set_headers = second.set_headers = {"x-routed": "yes"}

@@ -53,6 +53,9 @@ class GatewayConfig:
     # How long a picker that failed is left out before it is tried again (a restarted replica is
     # back in use after this), like an outlier ejection; not a flag, tests shorten it.
     picker_retry_after_s: float = 5.0
+    # Failures in a row that leave a picker out (Envoy outlier detection's
+    # consecutive_local_origin_failure, default 5): one slow request does not.
+    picker_eject_after: int = 5
     max_body_bytes: int = 64 << 20  # a larger request body is refused with 413
     upstream_connect_timeout_s: float = 5.0
     max_idle_per_upstream: int = 256  # pooled keep-alive connections kept per endpoint
@@ -83,6 +86,8 @@ class GatewayConfig:
             raise ValueError(f"--body-mode {self.body_mode!r}: choose {' or '.join(BODY_MODES)}")
         if not self.picker_retry_after_s >= 0:
             raise ValueError("picker_retry_after_s must not be negative")
+        if self.picker_eject_after < 1:
+            raise ValueError(f"--picker-eject-after {self.picker_eject_after} must be at least 1")
         if self.max_body_bytes < 1 or self.max_idle_per_upstream < 0:
             raise ValueError("max_body_bytes must be positive and max_idle_per_upstream not negative")
         return self
@@ -168,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "this way for the body of each answer it watches for its TTFT and TPOT "
                    "(response_body_mode STREAMED: each body piece to the picker and answered before it "
                    "goes to the client)")
+    p.add_argument("--picker-eject-after", type=int, default=GatewayConfig.picker_eject_after,
+                   help="failures in a row (timeouts, errors) after which a picker replica is left "
+                   "out for 5 s, as Envoy's outlier detection (consecutive_local_origin_failure) "
+                   "does: a request that fails on one picker goes on to the next, or to --upstream")
+    p.add_argument("--max-body-mb", type=float, default=GatewayConfig.max_body_bytes / (1 << 20),
+                   help="a request body larger than this many MiB is answered 413 without reaching "
+                   "the picker or the frontend")
     p.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics (ppd_gateway_*) on this port; none: no metrics server")
     return p
@@ -179,7 +191,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     config = GatewayConfig(host=a.host, port=a.port, upstream=a.upstream, pickers=tuple(a.picker or ()),
                            picker_timeout_ms=a.picker_timeout_ms, body_mode=a.body_mode,
                            metrics_port=a.metrics_port, response_headers=a.response_headers,
-                           allow_mode_override=a.allow_mode_override)
+                           allow_mode_override=a.allow_mode_override,
+                           picker_eject_after=a.picker_eject_after,
+                           max_body_bytes=max(1, int(a.max_body_mb * (1 << 20))))
     try:
         return config.validate()
     except ValueError as exc:

@@ -414,12 +414,16 @@ class ResponsePhase:
 
 class PickerPool:
     """The picker replicas: each request starts at the next one in round-robin order and goes on
-    to the others when one fails; a failed replica is left out for ``retry_after_s`` (so one that
-    is down costs one timeout per period, and a restarted one is used again after it). None
-    answering: `callout` returns None and the caller fails open."""
+    to the others when one fails. A replica that failed ``eject_after`` requests in a row is left
+    out for ``retry_after_s`` (so one that is down costs a few timeouts per period, and a restarted
+    one is used again after it), as Envoy's outlier detection ejects a host after
+    ``consecutive_local_origin_failure`` (default 5) failures, not after one: one slow request
+    must not take the picker away from everyone. None answering: `callout` returns None and the
+    caller fails open."""
 
     def __init__(self, addresses: Sequence[str], body_mode: str, timeout_s: float, retry_after_s: float,
-                 clock: Callable[[], float] = time.monotonic, response_headers: bool = False):
+                 clock: Callable[[], float] = time.monotonic, response_headers: bool = False,
+                 eject_after: int = 5, on_failure: Callable[[bool], None] | None = None):
         self.addresses = list(addresses)
         self.body_mode = body_mode
         self.response_headers = response_headers  # keep each routed stream open for its status
@@ -427,7 +431,11 @@ class PickerPool:
         self.retry_after_s = retry_after_s
         self.clock = clock
         self._next = 0
+        self.eject_after = eject_after
+        self.on_failure = on_failure  # told of each failure, and whether it ejected the replica
         self._down_until: dict[str, float] = {}
+        self._failures: dict[str, int] = {}  # failures in a row, per replica
+        self.ejections = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, external_processor_pb2_grpc.ExternalProcessorStub] = {}
         self._closing: set[asyncio.Task] = set()
@@ -454,9 +462,19 @@ class PickerPool:
                 result = await process(self._stub(address), headers, body, self.body_mode, self.timeout_s,
                                        self._closing, keep_open=self.response_headers)
             except PickerError as exc:
-                log.warning("picker %s failed (%s): left out for %g s", address, exc, self.retry_after_s)
-                self._down_until[address] = self.clock() + self.retry_after_s
+                failures = self._failures[address] = self._failures.get(address, 0) + 1
+                if self.on_failure is not None:
+                    self.on_failure(failures >= self.eject_after)
+                if failures >= self.eject_after:
+                    log.warning("picker %s failed (%s), %d in a row: left out for %g s", address, exc,
+                                failures, self.retry_after_s)
+                    self._down_until[address] = self.clock() + self.retry_after_s
+                    self._failures[address] = 0
+                    self.ejections += 1
+                else:
+                    log.warning("picker %s failed (%s), %d in a row", address, exc, failures)
                 continue
+            self._failures[address] = 0
             result.picker = address
             return result
         return None

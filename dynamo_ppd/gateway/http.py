@@ -12,6 +12,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 
+from .sse import DatalessEventFilter
+
 Headers = list[tuple[str, str]]  # (lower-cased name, value), in order, repeats allowed
 
 MAX_HEAD_BYTES = 64 << 10
@@ -243,15 +245,22 @@ def client_response_head(head: ResponseHead, close: bool) -> bytes:
     return encode_head(f"HTTP/1.1 {head.status} {head.reason or reason_phrase(head.status)}", headers)
 
 
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
+
+
 async def relay_body(framing: str, head: ResponseHead, upstream: asyncio.StreamReader,
                      client: asyncio.StreamWriter,
-                     tap: Callable[[bytes, bool], Awaitable[None]] | None = None) -> None:
+                     tap: Callable[[bytes, bool], Awaitable[None]] | None = None,
+                     events: DatalessEventFilter | None = None) -> None:
     """Copy the response body from the upstream to the client as it arrives: each chunk of a
     chunked body is written (as-is, size line included) and flushed as soon as it is whole, so an
     SSE event reaches the client when the upstream sends it. Raises IncompleteReadError when the
     upstream ends early and ConnectionError when the client goes away. ``tap``: awaited with each
     piece of the body's content (a chunk's data without its framing) and whether it is the last
-    (an empty last piece when the end carries no data), before the piece goes to the client."""
+    (an empty last piece when the end carries no data), before the piece goes to the client.
+    ``events``: an event stream's filter (`sse.DatalessEventFilter`); a chunked body is then
+    re-chunked around what it keeps (a length-framed body is relayed as it is)."""
     if framing == "length":
         remaining = head.content_length or 0
         while remaining:
@@ -277,22 +286,27 @@ async def relay_body(framing: str, head: ResponseHead, upstream: asyncio.StreamR
                 trailer.append(b"\r\n")
                 if tap is not None:
                     await tap(b"", True)
+                if events is not None:
+                    client.write(_chunk(events.end()))
                 client.write(b"".join(trailer))
                 await client.drain()
                 return
             chunk = await upstream.readexactly(size + 2)
             if tap is not None:
                 await tap(chunk[:-2], False)
-            client.write(line + chunk)
+            client.write(line + chunk if events is None else _chunk(events.feed(chunk[:-2])))
             await client.drain()
     elif framing == "close":
         while data := await upstream.read(RELAY_CHUNK):
             if tap is not None:
                 await tap(data, False)
-            client.write(data)
+            client.write(data if events is None else events.feed(data))
             await client.drain()
         if tap is not None:
             await tap(b"", True)
+        if events is not None:
+            client.write(events.end())
+            await client.drain()
 
 
 def simple_response(status: int, headers: Headers, body: bytes, close: bool) -> bytes:

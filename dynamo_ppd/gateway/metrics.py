@@ -13,6 +13,10 @@
   answering.
 - ``ppd_gateway_picker_response_bodies_total``: responses whose body went through the picker
   (it asked for it with a mode override, --allow-mode-override).
+- ``ppd_gateway_picker_failures_total``: ext_proc callouts that failed (a timeout, an error).
+- ``ppd_gateway_picker_ejections_total``: pickers left out after --picker-eject-after failures in a row.
+- ``ppd_gateway_sse_events_dropped_total``: events without data taken out of event streams
+  (Dynamo's ``x-bypass-remote-prefill`` annotation, `sse`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,15 @@ class GatewayMetrics:
         self.response_bodies = Counter("ppd_gateway_picker_response_bodies",
                                        "Responses whose body went through the picker (its mode override)",
                                        registry=self.registry)
+        self.picker_failures = Counter("ppd_gateway_picker_failures",
+                                       "ext_proc callouts that failed (a timeout or an error)",
+                                       registry=self.registry)
+        self.picker_ejections = Counter("ppd_gateway_picker_ejections",
+                                        "Pickers left out after --picker-eject-after failures in a row",
+                                        registry=self.registry)
+        self.sse_events_dropped = Counter("ppd_gateway_sse_events_dropped",
+                                          "Events without data taken out of event streams",
+                                          registry=self.registry)
         self._server: WSGIServer | None = None
 
     def serve(self, port: int, host: str) -> int:

@@ -61,9 +61,11 @@ class Gateway:
         self.config = config.validate()
         self.metrics = metrics or GatewayMetrics()
         self.pickers = (PickerPool(config.pickers, config.body_mode, config.picker_timeout_s,
-                                   config.picker_retry_after_s, response_headers=config.response_headers)
+                                   config.picker_retry_after_s, response_headers=config.response_headers,
+                                   eject_after=config.picker_eject_after, on_failure=self._picker_failed)
                         if config.pickers else None)
-        self.upstreams = UpstreamPool(config.upstream_connect_timeout_s, config.max_idle_per_upstream)
+        self.upstreams = UpstreamPool(config.upstream_connect_timeout_s, config.max_idle_per_upstream,
+                                      on_events_dropped=self.metrics.sse_events_dropped.inc)
         self.metrics_port: int | None = None
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task] = set()
@@ -208,6 +210,11 @@ class Gateway:
             self.metrics.upstream_errors.inc()
         return (outcome if forwarded == "ok" else forwarded), keep
 
+
+    def _picker_failed(self, ejected: bool) -> None:
+        self.metrics.picker_failures.inc()
+        if ejected:
+            self.metrics.picker_ejections.inc()
 
     def _asking(self, response: ResponsePhase) -> AskResponse:
         """`ResponsePhase.ask`, counting the bodies the picker asks for."""

@@ -10,7 +10,10 @@ The status the client gets is told to ``on_response`` as soon as it is known, be
 body goes out: the upstream's status line and headers, or the gateway's own 502 (the ext_proc
 response phase, `extproc.ResponsePhase`). Or it is asked of ``ask``, awaited before the response
 goes on (the response phase in the ordinary mode, with mode overrides allowed), whose answer may
-be a tap for the body: each piece of it is awaited there before it goes to the client."""
+be a tap for the body: each piece of it is awaited there before it goes to the client.
+
+An event stream loses its events without data on the way (`sse`: Dynamo's bypass annotation,
+which no conforming client dispatches and openai-python fails on)."""
 
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from .http import (
     relay_body,
     simple_response,
 )
+from .sse import DatalessEventFilter, is_event_stream
 
 log = logging.getLogger("dynamo_ppd.gateway")
 
@@ -73,7 +77,9 @@ def _tell(on_response: OnResponse | None, status: int, headers: Headers, end_of_
 
 
 class UpstreamPool:
-    def __init__(self, connect_timeout_s: float = 5.0, max_idle: int = 256):
+    def __init__(self, connect_timeout_s: float = 5.0, max_idle: int = 256,
+                 on_events_dropped: Callable[[int], None] | None = None):
+        self.on_events_dropped = on_events_dropped  # told how many events a stream lost (`sse`)
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         self._idle: dict[str, list[Connection]] = defaultdict(list)
@@ -136,7 +142,12 @@ class UpstreamPool:
         try:
             client.write(client_response_head(head, close=not keep_client))
             await client.drain()
-            await relay_body(framing, head, conn.reader, client, tap)
+            events = DatalessEventFilter() if is_event_stream(head.headers) else None
+            try:
+                await relay_body(framing, head, conn.reader, client, tap, events)
+            finally:
+                if events is not None and events.dropped and self.on_events_dropped is not None:
+                    self.on_events_dropped(events.dropped)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             conn.close()
             if client.is_closing():

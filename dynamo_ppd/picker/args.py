@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ..argtypes import fraction
 from ..routing.args import RoutingConfig, build_parser, config_from
+from .budget import DEFAULT_DEADLINE_S
 from .frontends import split_endpoint
 from .outcomes import DEFAULT_OBSERVE_SHARE
 from .route import AGENT_SESSION_HEADERS
@@ -29,6 +30,7 @@ class PickerConfig:
     observe_share: float = DEFAULT_OBSERVE_SHARE  # follow-ups' answers watched for TTFT and TPOT
     session_headers: tuple[str, ...] = AGENT_SESSION_HEADERS  # a conversation's id, first present wins
     strip_anthropic_preamble: bool = True  # as the frontend's --strip-anthropic-preamble
+    deadline_ms: float = DEFAULT_DEADLINE_S * 1e3  # a prompt's tokenization; over it: unrouted (`budget`)
 
 
 def _endpoint_list(text: str) -> tuple[str, ...]:
@@ -108,6 +110,14 @@ def build_picker_parser() -> argparse.ArgumentParser:
                    help="as the frontend's flag of that name (on by default there too): /v1/messages' "
                    "system prompt loses Claude Code's x-anthropic-billing-header line before it is "
                    "tokenized. Set it as the frontend's is, or follow-ups are placed by the wrong prefix")
+    g.add_argument("--deadline-ms", type=float, default=DEFAULT_DEADLINE_S * 1e3,
+                   help="the most time one request's tokenization may take on the picker's path. A "
+                   "large prompt is tokenized on a worker thread while other requests are answered; "
+                   "one that does not finish in time, or is predicted not to from the throughput "
+                   "measured, goes to the frontend unrouted (ppd_requests_unplaced_total"
+                   "{reason=\"over_deadline\"|\"predicted_over_deadline\"}), which serves or refuses "
+                   "it as it would without a picker. Keep it well under the gateway's ext_proc message "
+                   "timeout, so one large prompt never makes the gateway drop the picker; 0: no bound")
     g.add_argument("--timings", action="store_true",
                    help="add the picker's own time for each request, per stage, to the route's "
                    "dynamic metadata (namespace ppd.picker, microseconds): for the request-path "
@@ -127,9 +137,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[RoutingConfig, PickerConf
     if a.mode == "replica" or a.replica_component:
         parser.error("the picker routes P/D deployments; aggregated workers (replica mode) are "
                      "served by Dynamo's own KV router with no picker")
+    if not a.deadline_ms >= 0:
+        parser.error(f"--deadline-ms {a.deadline_ms:g} must not be negative (0: no bound)")
     if a.cert_path and not a.secure_serving:
         parser.error("--cert-path is for --secure-serving; add it, or drop --cert-path")
     return config_from(parser, a), PickerConfig(a.grpc_host, a.grpc_port, a.health_port, a.frontend,
                                                 a.frontend_refresh, a.secure_serving, a.cert_path,
                                                 a.timings, a.send_token_ids, a.observe_share,
-                                                a.session_headers, a.strip_anthropic_preamble)
+                                                a.session_headers, a.strip_anthropic_preamble,
+                                                a.deadline_ms)

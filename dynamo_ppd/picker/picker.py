@@ -35,6 +35,7 @@ from dynamo.llm.exceptions import InvalidArgument
 from ..policy.decision import Route
 from ..routing.planner import NoWorkers
 from ..routing.state import Routing, Turn
+from .budget import OverBudget, TokenizeBudget
 from .chat_template import Unplaceable
 from .frontends import Frontends
 from .messages import MESSAGES_PATH
@@ -93,8 +94,10 @@ class Picker:
     def __init__(self, routing: Routing, tokenizer: PromptTokenizer,
                  frontends: Frontends | Sequence[str], send_token_ids: bool = True,
                  observe_share: float = DEFAULT_OBSERVE_SHARE, rng: random.Random | None = None,
-                 session_headers: Sequence[str] = AGENT_SESSION_HEADERS):
+                 session_headers: Sequence[str] = AGENT_SESSION_HEADERS,
+                 budget: TokenizeBudget | None = None):
         self.routing = routing
+        self.budget = budget or TokenizeBudget()  # `budget`: the tokenization's deadline
         self.session_headers = tuple(session_headers)  # `route.session_from_headers`
         self.tokenizer = tokenizer
         self.send_token_ids = send_token_ids  # `_body_to_send`
@@ -134,19 +137,18 @@ class Picker:
             raise Refusal(400, "the request body must be a JSON object", "bad_request", anthropic)
         clock.lap("parse")
         try:
-            tokens = self.tokenizer.tokens(request, path, lap=clock.lap)
+            if len(body) < self.budget.offload_bytes:
+                tokens = self.tokenizer.tokens(request, path, lap=clock.lap)
+            else:
+                tokens = await self.budget.run(len(body), lambda: self.tokenizer.tokens(request, path))
             clock.lap("tokenize")
         except PromptError as exc:
             errors.labels("bad_request").inc()
             raise Refusal(400, str(exc), "bad_request", anthropic) from None
-        except Unplaceable as exc:  # served by the frontend, placed by Dynamo's own routing
-            endpoint = self.frontend(subset)
-            self.routing.metrics.unplaced.labels(exc.reason).inc()
-            log.debug("unrouted (%s): %s", exc.reason, exc)
-            # Unrouted, but not the client's to route either: its own pins go, as on any request.
-            pinned = without_client_pins(request)
-            return Pick(endpoint, {}, CLIENT_ROUTING_HEADERS,
-                        msgspec.json.encode(request) if pinned else None)
+        except (Unplaceable, OverBudget) as exc:  # served by the frontend, placed by Dynamo's own routing
+            log.log(logging.INFO if isinstance(exc, OverBudget) else logging.DEBUG, "unrouted (%s): %s",
+                    exc.reason, exc)
+            return self._unrouted(request, subset, exc.reason)
         max_tokens = (request.get("max_completion_tokens") or request.get("max_tokens")
                       or request.get("max_output_tokens"))  # (the last: the Responses API's)
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
@@ -178,6 +180,14 @@ class Picker:
         new_body = self._body_to_send(body, request, tokens, path)
         clock.lap("record")
         return Pick(endpoint, route.set, route.remove, new_body, turn)
+
+    def _unrouted(self, request: dict, subset: Sequence[str] | None, reason: str) -> Pick:
+        """A request the frontend serves as it would without a picker (Dynamo's own routing)."""
+        endpoint = self.frontend(subset)
+        self.routing.metrics.unplaced.labels(reason).inc()
+        # Unrouted, but not the client's to route either: its own pins go, as on any request.
+        pinned = without_client_pins(request)
+        return Pick(endpoint, {}, CLIENT_ROUTING_HEADERS, msgspec.json.encode(request) if pinned else None)
 
     def _body_to_send(self, body: bytes, request: dict, tokens: list[int], path: str) -> bytes | None:
         """The body the frontend gets: None (the client's bytes) or a new one, without a client's

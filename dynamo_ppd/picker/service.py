@@ -18,6 +18,7 @@ from ..routing.start import build_policy, start_routing
 from ..routing.state import Routing
 from ..runtime import create_runtime, run_component
 from .args import PickerConfig, parse_args
+from .budget import TokenizeBudget
 from .extproc import ExtProcService
 from .frontends import Frontends
 from .metrics import PickerMetrics
@@ -48,7 +49,8 @@ async def serve(configs: tuple[RoutingConfig, PickerConfig]) -> None:
     tokenizer = PromptTokenizer.from_model_dir(
         path, strip_anthropic_preamble=picker_config.strip_anthropic_preamble)
     picker = Picker(routing, tokenizer, frontends, send_token_ids=picker_config.send_token_ids,
-                    observe_share=picker_config.observe_share, session_headers=picker_config.session_headers)
+                    observe_share=picker_config.observe_share, session_headers=picker_config.session_headers,
+                    budget=TokenizeBudget(picker_config.deadline_ms / 1e3))
     if routing.kv_sync is not None and not await routing.kv_sync.settled():
         log.warning("the workers' residency was not rebuilt within 10 s of start; serving anyway "
                     "(follow-ups go through prefill until their decode workers' KV events arrive)")
