@@ -510,10 +510,11 @@ async def test_upstream_down_is_a_502_with_a_json_error():
     config = GatewayConfig(port=0, upstream=f"127.0.0.1:{free_port()}")
     async with Gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as client:
         r = await client.post("/v1/chat/completions", json={"model": "m"})
-        again = await client.post("/v1/chat/completions", json={"model": "m"})
+        again = await client.post("/v1/messages", json={"model": "m"})
     assert r.status_code == 502 and again.status_code == 502
-    error = r.json()["error"]
-    assert (error["type"], error["code"]) == ("bad_gateway", 502) and "unreachable" in error["message"]
+    error = r.json()  # the frontend's error shape on OpenAI's paths, Anthropic's on /v1/messages
+    assert (error["type"], error["code"]) == ("Bad Gateway", 502) and "unreachable" in error["message"]
+    assert again.json()["type"] == "error" and again.json()["error"]["type"] == "api_error"
     assert gw.metrics.value("ppd_gateway_upstream_errors_total") == 2
 
 

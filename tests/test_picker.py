@@ -14,6 +14,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from dynamo_ppd.picker.extproc import DESTINATION_HEADER, ExtProcService
+from dynamo_ppd.apis import CHAT
 from dynamo_ppd.picker.picker import Pick, Refusal
 from dynamo_ppd.picker.route import (
     AGENT_SESSION_HEADERS,
@@ -147,14 +148,13 @@ def test_buffered_mode_answers_the_headers_at_once_and_routes_on_the_body_answer
     assert _body_set_headers(replies[1])["content-length"] == "2"
 
 
-def test_a_refusal_is_an_immediate_response_with_an_openai_error_body():
-    replies, metrics = _process(FakePicker(Refusal(400, "too long", "too_large")), _messages(BODY))
+def test_a_refusal_is_an_immediate_response_with_the_frontends_error_body():
+    replies, metrics = _process(FakePicker(Refusal(503, "no workers", "no_workers", CHAT)), _messages(BODY))
     assert [r.WhichOneof("response") for r in replies] == ["immediate_response"]
     immediate = replies[0].immediate_response
-    assert immediate.status.code == 400
-    assert json.loads(immediate.body)["error"] == {"message": "too long", "type": "invalid_request_error",
-                                                     "code": 400}
-    assert metrics.outcomes == ["refused_400"]
+    assert immediate.status.code == 503
+    assert json.loads(immediate.body) == {"message": "no workers", "type": "Service Unavailable", "code": 503}
+    assert metrics.outcomes == ["refused_503"]
 
 
 def test_a_request_without_a_body_goes_to_a_frontend_unrouted():
@@ -283,30 +283,50 @@ class _Tokens:
         return [1] * len(body["messages"][0]["content"].split())
 
 
-def _pick(routing, body: bytes, headers: dict | None = None, path: str = "/v1/chat/completions") -> Refusal:
+def _pick(routing, body: bytes, headers: dict | None = None, path: str = "/v1/chat/completions",
+          subset: list[str] | None = None) -> Refusal:
     from dynamo_ppd.picker.picker import Picker
 
     picker = Picker(routing, _Tokens(), ["127.0.0.1:8001"])  # type: ignore[arg-type]
     with pytest.raises(Refusal) as refused:
-        asyncio.run(picker.pick(headers or {}, body, path))
+        asyncio.run(picker.pick(headers or {}, body, path, subset))
     return refused.value
 
 
-def test_refusals_carry_their_status_and_count_their_kind():
+def _unplaced(routing) -> dict[str, float]:
+    return {s.labels["reason"]: s.value for s in routing.metrics.unplaced.collect()[0].samples
+            if s.name.endswith("_total")}
+
+
+def test_only_nowhere_to_send_a_request_is_refused_and_counted_by_kind():
     from dynamo_ppd.routing.planner import NoWorkers
 
     routing = _Routing(NoWorkers("no decode worker is available"))
     ok_body = json.dumps({"messages": [{"role": "user", "content": "a b c"}]}).encode()
     assert _pick(routing, ok_body).status == 503  # no worker of a needed kind
-    long_body = json.dumps({"messages": [{"role": "user", "content": "w " * 150}]}).encode()
-    too_long = _pick(routing, long_body)
-    assert too_long.status == 400 and "maximum context length is 100" in str(too_long)
-    assert _pick(routing, b"{nope").status == 400
-    bad_max = json.dumps({"max_tokens": -3, "messages": [{"role": "user", "content": "a"}]}).encode()
-    assert _pick(routing, bad_max).status == 400
+    assert _pick(routing, ok_body, subset=[]).status == 503  # no frontend
     errors = {s.labels["kind"]: s.value for s in routing.metrics.errors.collect()[0].samples
               if s.name.endswith("_total")}
-    assert errors == {"no_workers": 1.0, "too_large": 1.0, "bad_request": 2.0}
+    assert errors == {"no_workers": 1.0, "no_frontends": 1.0}
+
+
+def test_bad_input_goes_to_the_frontend_unrouted_as_the_client_sent_it():
+    # The frontend answers it in its own words (status, shape, message): no plan, no record.
+    from dynamo_ppd.picker.picker import Picker
+
+    routing = _Routing(AssertionError("bad input is never planned"))
+    picker = Picker(routing, _Tokens(), ["127.0.0.1:8001"])  # type: ignore[arg-type]
+    bodies = [b"{nope", b"[1, 2]", b"[" * 100_000 + b"]" * 100_000,  # (deeper than Python's stack)
+              json.dumps({"messages": [{"role": "user", "content": "w " * 150}]}).encode(),  # over context
+              json.dumps({"max_tokens": -3, "messages": [{"role": "user", "content": "a"}]}).encode()]
+    for body in bodies:
+        picked = asyncio.run(picker.pick({}, body, "/v1/chat/completions"))
+        assert (picked.endpoint, picked.set_headers, picked.body, picked.unplaced) == \
+            ("127.0.0.1:8001", {}, None, "invalid")
+    long_id = {"x-dynamo-session-id": "s" * 300}
+    ok_body = json.dumps({"messages": [{"role": "user", "content": "a"}]}).encode()
+    assert asyncio.run(picker.pick(long_id, ok_body, "/v1/chat/completions")).unplaced == "invalid"
+    assert _unplaced(routing) == {"invalid": 6.0}
 
 
 class _Unplaceable:
@@ -329,21 +349,17 @@ def test_a_request_the_picker_cannot_place_goes_to_the_frontend_unrouted_and_is_
     with_pin = json.dumps({"input": "hi", "nvext": {"backend_instance_id": 3}}).encode()
     pinned = asyncio.run(picker.pick({}, with_pin, "/v1/embeddings"))
     assert json.loads(pinned.body) == {"input": "hi", "nvext": {}}
-    unplaced = {s.labels["reason"]: s.value for s in routing.metrics.unplaced.collect()[0].samples
-                if s.name.endswith("_total")}
-    assert unplaced == {"unknown_api": 2.0}
-    # Bad JSON is still refused before any work, on any path.
-    with pytest.raises(Refusal):
-        asyncio.run(picker.pick({}, b"{nope", "/v1/embeddings"))
+    assert _unplaced(routing) == {"unknown_api": 2.0}
 
 
 def test_a_refused_messages_request_gets_anthropics_error_shape():
     routing = _Routing(AssertionError("refused before planning"))
-    refused = _pick(routing, b"{nope", path="/v1/messages")
-    assert refused.status == 400
+    ok_body = json.dumps({"messages": [{"role": "user", "content": "a"}]}).encode()
+    refused = _pick(routing, ok_body, path="/v1/messages", subset=[])
+    assert refused.status == 503
     assert json.loads(refused.body()) == {"type": "error", "error": {
-        "type": "invalid_request_error", "message": str(refused)}}
-    assert json.loads(_pick(routing, b"{nope").body())["error"]["code"] == 400  # OpenAI's elsewhere
+        "type": "overloaded_error", "message": str(refused)}}
+    assert json.loads(_pick(routing, ok_body, subset=[]).body())["code"] == 503  # OpenAI's elsewhere
 
 
 def test_the_session_comes_from_dynamos_agent_headers_in_its_order():

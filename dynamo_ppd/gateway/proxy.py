@@ -24,12 +24,12 @@ API (`start`/`stop`/`port`); `serve` runs one until SIGTERM or SIGINT.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import uuid
 from contextlib import suppress
 
+from ..apis import OTHER, api_of
 from .args import GatewayConfig
 from .extproc import PickerPool, ResponsePhase
 from .headers import destination, envoy_headers, upstream_request_parts
@@ -46,11 +46,6 @@ from .metrics import GatewayMetrics
 from .upstream import AskResponse, BodyTap, UpstreamPool
 
 log = logging.getLogger("dynamo_ppd.gateway")
-
-
-def _error_body(status: int, message: str) -> bytes:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
 
 
 class Gateway:
@@ -151,6 +146,7 @@ class Gateway:
 
     async def _one_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Serve the connection's next request; True when the connection stays open for another."""
+        head: RequestHead | None = None
         try:
             head = await read_request_head(reader)
             if head is None:
@@ -161,8 +157,9 @@ class Gateway:
         except HttpError as exc:
             # The stream's framing may be lost after a bad request: answer and close.
             self.metrics.requests.labels("bad_request").inc()
+            api = api_of(head.target) if head is not None else OTHER  # the error in its API's shape
             writer.write(simple_response(exc.status, [("content-type", "application/json")],
-                                         _error_body(exc.status, str(exc)), close=True))
+                                         api.error_body(exc.status, str(exc)), close=True))
             with suppress(OSError):
                 await writer.drain()
             return False

@@ -18,12 +18,12 @@ which no conforming client dispatches and openai-python fails on)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from ..apis import api_of
 from .args import parse_endpoint
 from .http import (
     MAX_HEAD_BYTES,
@@ -61,9 +61,9 @@ class Connection:
         self.writer.close()
 
 
-def bad_gateway(message: str, close: bool) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "bad_gateway", "code": 502}}).encode()
-    return simple_response(502, BAD_GATEWAY_HEADERS, body, close)
+def bad_gateway(message: str, close: bool, target: str = "") -> bytes:
+    """The gateway's own 502, in the shape of the request's API (`apis`)."""
+    return simple_response(502, BAD_GATEWAY_HEADERS, api_of(target).error_body(502, message), close)
 
 
 def _tell(on_response: OnResponse | None, status: int, headers: Headers, end_of_stream: bool) -> None:
@@ -121,7 +121,7 @@ class UpstreamPool:
                     conn = await self._connect(endpoint)
                 except (OSError, ValueError, asyncio.TimeoutError) as exc:
                     reason = f"upstream {endpoint} unreachable: {str(exc) or type(exc).__name__}"
-                    return await self._fail(client, reason, close_client, on_response, ask)
+                    return await self._fail(client, reason, close_client, on_response, ask, target)
             try:
                 conn.writer.write(payload)
                 await conn.writer.drain()
@@ -133,7 +133,7 @@ class UpstreamPool:
                     continue  # the idle connection was dead: the upstream never saw the request
                 reason = str(exc) or type(exc).__name__
                 return await self._fail(client, f"upstream {endpoint} failed: {reason}", close_client,
-                                        on_response, ask)
+                                        on_response, ask, target)
 
         framing = head.body_framing(method)
         _tell(on_response, head.status, head.headers, framing == "none")
@@ -165,13 +165,13 @@ class UpstreamPool:
 
     async def _fail(self, client: asyncio.StreamWriter, message: str, close_client: bool,
                     on_response: OnResponse | None = None,
-                    ask: AskResponse | None = None) -> tuple[str, bool]:
+                    ask: AskResponse | None = None, target: str = "") -> tuple[str, bool]:
         log.warning("%s", message)
         _tell(on_response, 502, BAD_GATEWAY_HEADERS, False)
         if ask is not None:
             await ask(502, BAD_GATEWAY_HEADERS, False)  # its body, the gateway's own, is not sent
         try:
-            client.write(bad_gateway(message, close_client))
+            client.write(bad_gateway(message, close_client, target))
             await client.drain()
         except OSError:
             return "client_gone", False

@@ -246,7 +246,9 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         length = len(picked.body) if picked.body is not None else None
         routed = headers_response(picked.endpoint, picked.set_headers, picked.remove_headers, length)
         clock.lap("answer")
-        self.metrics.observe("routed", clock.total, time.thread_time() - cpu, clock.stages)
+        # Unrouted (the frontend's own routing serves it; `ppd_requests_unplaced_total` says why).
+        self.metrics.observe("unrouted" if picked.unplaced else "routed", clock.total,
+                             time.thread_time() - cpu, clock.stages)
         if self.timings:
             timing_metadata(routed, clock)
         if full_duplex:

@@ -30,15 +30,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-from dynamo.llm.exceptions import InvalidArgument
 
+from ..apis import OTHER, Api, api_of
 from ..policy.decision import Route
 from ..routing.planner import NoWorkers
+from ..routing.sessions import MAX_SESSION_ID_BYTES
 from ..routing.state import Routing, Turn
 from .budget import OverBudget, TokenizeBudget
 from .chat_template import Unplaceable
 from .frontends import Frontends
-from .messages import MESSAGES_PATH
 from .outcomes import DEFAULT_OBSERVE_SHARE, AnswerWatch
 from .prompt import PromptError, PromptTokenizer
 from .route import (
@@ -56,24 +56,24 @@ HOLD_FALLBACK_S = 10.0  # a turn's load is held this long when the policy predic
 HOLD_MAX_S = 600.0
 
 
-class Refusal(Exception):
-    """The request is answered by the gateway with this status and message, never forwarded."""
+def valid_session_id(session_id: str | None) -> bool:
+    """Whether a client's session id is one the frontend takes (`sessions.check_session_id`)."""
+    return session_id is None or len(session_id.encode()) <= MAX_SESSION_ID_BYTES
 
-    def __init__(self, status: int, message: str, kind: str, anthropic: bool = False):
+
+class Refusal(Exception):
+    """The request is answered by the gateway with this status and message, never forwarded. Only
+    what the picker must answer itself is refused: nowhere to send the request (503). A request
+    the frontend would refuse is sent there, unrouted, so the client gets the frontend's words."""
+
+    def __init__(self, status: int, message: str, kind: str, api: Api = OTHER):
         super().__init__(message)
         self.status = status
         self.kind = kind  # ppd_request_errors_total{kind}
-        self.anthropic = anthropic  # a /v1/messages request: the error in Anthropic's shape
+        self.api = api  # the request's API: the error's shape (`apis`)
 
     def body(self) -> bytes:
-        """The error body Dynamo's frontend writes for the request's API: OpenAI's shape, or for
-        /v1/messages Anthropic's (anthropic.rs ``anthropic_error_response``)."""
-        if self.anthropic:
-            kind = "invalid_request_error" if self.status < 500 else "overloaded_error"
-            return json.dumps({"type": "error", "error": {"type": kind, "message": str(self)}}).encode()
-        error_type = "invalid_request_error" if self.status < 500 else "service_unavailable"
-        return json.dumps({"error": {"message": str(self), "type": error_type,
-                                     "code": self.status}}).encode()
+        return self.api.error_body(self.status, str(self))
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,7 @@ class Pick:
     remove_headers: tuple[str, ...]
     body: bytes | None
     turn: Turn | None = field(default=None, compare=False)  # the plan (its workers), for the answer's status
+    unplaced: str | None = None  # sent unrouted, and why (ppd_requests_unplaced_total's reason)
 
 
 class Picker:
@@ -95,8 +96,11 @@ class Picker:
                  frontends: Frontends | Sequence[str], send_token_ids: bool = True,
                  observe_share: float = DEFAULT_OBSERVE_SHARE, rng: random.Random | None = None,
                  session_headers: Sequence[str] = AGENT_SESSION_HEADERS,
-                 budget: TokenizeBudget | None = None):
+                 budget: TokenizeBudget | None = None, served_models: Sequence[str] | None = None):
         self.routing = routing
+        # The model names the frontend serves (None: not checked). A request naming none of them
+        # is the frontend's to refuse, in its own words: it goes there unrouted, planning nothing.
+        self.served_models = frozenset(served_models) if served_models else None
         self.budget = budget or TokenizeBudget()  # `budget`: the tokenization's deadline
         self.session_headers = tuple(session_headers)  # `route.session_from_headers`
         self.tokenizer = tokenizer
@@ -107,7 +111,7 @@ class Picker:
         routing.decode_chosen_downstream = True
         routing.prefill_bound_downstream = True
 
-    def frontend(self, subset: Sequence[str] | None = None) -> str:
+    def frontend(self, subset: Sequence[str] | None = None, api: Api = OTHER) -> str:
         """The frontend a request goes to (round robin; one of ``subset`` when the gateway names
         the endpoints allowed); `Refusal` 503 when there is none."""
         endpoint = self.frontends.next(subset)
@@ -116,26 +120,27 @@ class Picker:
             why = ("the gateway allowed no endpoint for this request" if subset is not None else
                    "the picker's --frontend names "
                    f"{', '.join(self.frontends.names) or 'none'} resolve to no address")
-            raise Refusal(503, f"no Dynamo frontend to send the request to ({why})", "no_frontends")
+            raise Refusal(503, f"no Dynamo frontend to send the request to ({why})", "no_frontends", api)
         return endpoint
 
     async def pick(self, headers: Mapping[str, str], body: bytes, path: str,
                    subset: Sequence[str] | None = None, clock: StageClock | None = None) -> Pick:
-        """Route one request; raises `Refusal` (4xx/5xx) for one that must not be forwarded.
-        ``subset``: the endpoints the gateway allows (see `frontend`); ``clock``: laps each stage."""
-        errors = self.routing.metrics.errors
+        """Route one request; raises `Refusal` (503) for one that cannot be forwarded. A request
+        the picker cannot make a turn of (bad JSON, a prompt the frontend refuses, limits it
+        passes) goes to the frontend unrouted, which answers it in its own words
+        (``ppd_requests_unplaced_total{reason="invalid"}``). ``subset``: the endpoints the
+        gateway allows (see `frontend`); ``clock``: laps each stage."""
         clock = clock or StageClock()
-        anthropic = path.split("?", 1)[0].rstrip("/") == MESSAGES_PATH
+        api = api_of(path)
         try:
             request = json.loads(body)
-        except ValueError as exc:
-            errors.labels("bad_request").inc()
-            raise Refusal(400, f"the request body is not valid JSON: {exc}", "bad_request",
-                          anthropic) from None
+        except (ValueError, RecursionError):  # (RecursionError: nesting deeper than Python's stack)
+            return self._unrouted(None, subset, "invalid", api)
         if not isinstance(request, dict):
-            errors.labels("bad_request").inc()
-            raise Refusal(400, "the request body must be a JSON object", "bad_request", anthropic)
+            return self._unrouted(None, subset, "invalid", api)
         clock.lap("parse")
+        if self.served_models is not None and request.get("model") not in self.served_models:
+            return self._unrouted(request, subset, "model_not_served", api)
         try:
             if len(body) < self.budget.offload_bytes:
                 tokens = self.tokenizer.tokens(request, path, lap=clock.lap)
@@ -143,24 +148,19 @@ class Picker:
                 tokens = await self.budget.run(len(body), lambda: self.tokenizer.tokens(request, path))
             clock.lap("tokenize")
         except PromptError as exc:
-            errors.labels("bad_request").inc()
-            raise Refusal(400, str(exc), "bad_request", anthropic) from None
+            log.debug("unrouted (invalid): %s", exc)
+            return self._unrouted(request, subset, "invalid", api)
         except (Unplaceable, OverBudget) as exc:  # served by the frontend, placed by Dynamo's own routing
             log.log(logging.INFO if isinstance(exc, OverBudget) else logging.DEBUG, "unrouted (%s): %s",
                     exc.reason, exc)
-            return self._unrouted(request, subset, exc.reason)
+            return self._unrouted(request, subset, exc.reason, api)
         max_tokens = (request.get("max_completion_tokens") or request.get("max_tokens")
                       or request.get("max_output_tokens"))  # (the last: the Responses API's)
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            errors.labels("bad_request").inc()
-            raise Refusal(400, f"max_tokens must be a positive integer, not {max_tokens!r}", "bad_request",
-                          anthropic)
-        too_big = self.routing.limits.check(len(tokens), max_tokens)
-        if too_big:  # before any worker sees it
-            errors.labels("too_large").inc()
-            raise Refusal(400, too_big, "too_large", anthropic)
-        endpoint = self.frontend(subset)  # before the turn is planned: a refusal records nothing
         session_id = session_from_headers(headers, self.session_headers)
+        if ((max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1))
+                or self.routing.limits.check(len(tokens), max_tokens) or not valid_session_id(session_id)):
+            return self._unrouted(request, subset, "invalid", api)
+        endpoint = self.frontend(subset, api)  # before the turn is planned: a refusal records nothing
         turn_request = {"token_ids": tokens, "stop_conditions": {"max_tokens": max_tokens},
                         "agent_context": {"session_id": session_id} if session_id else None}
         self.routing.rate.record(time.monotonic())
@@ -168,11 +168,8 @@ class Picker:
             turn = await self.routing.plan_turn(turn_request, tokens, lap=clock.lap)
             clock.lap("plan")
         except NoWorkers as exc:
-            errors.labels("no_workers").inc()
-            raise Refusal(503, str(exc), "no_workers") from None
-        except InvalidArgument as exc:  # a session id over the limit (`sessions.check_session_id`)
-            errors.labels("bad_request").inc()
-            raise Refusal(400, str(exc), "bad_request") from None
+            self.routing.metrics.errors.labels("no_workers").inc()
+            raise Refusal(503, str(exc), "no_workers", api) from None
         # An unbound turn names no session: the frontend may still bind it to a dead prefill worker.
         route = route_headers(turn.decision.route, turn.prefill, None if turn.unbound else turn.session_id)
         self._charge(turn, max_tokens)
@@ -181,13 +178,16 @@ class Picker:
         clock.lap("record")
         return Pick(endpoint, route.set, route.remove, new_body, turn)
 
-    def _unrouted(self, request: dict, subset: Sequence[str] | None, reason: str) -> Pick:
-        """A request the frontend serves as it would without a picker (Dynamo's own routing)."""
-        endpoint = self.frontend(subset)
+    def _unrouted(self, request: dict | None, subset: Sequence[str] | None, reason: str,
+                  api: Api = OTHER) -> Pick:
+        """A request the frontend serves, or refuses, as it would without a picker (Dynamo's own
+        routing); ``request`` None: a body that is no JSON object, sent on as it came."""
+        endpoint = self.frontend(subset, api)
         self.routing.metrics.unplaced.labels(reason).inc()
         # Unrouted, but not the client's to route either: its own pins go, as on any request.
-        pinned = without_client_pins(request)
-        return Pick(endpoint, {}, CLIENT_ROUTING_HEADERS, msgspec.json.encode(request) if pinned else None)
+        pinned = request is not None and without_client_pins(request)
+        return Pick(endpoint, {}, CLIENT_ROUTING_HEADERS, msgspec.json.encode(request) if pinned else None,
+                    unplaced=reason)
 
     def _body_to_send(self, body: bytes, request: dict, tokens: list[int], path: str) -> bytes | None:
         """The body the frontend gets: None (the client's bytes) or a new one, without a client's
@@ -218,6 +218,10 @@ class Picker:
         the time the relay router leaves out a worker that failed under it
         (`Routing.mark_unreachable`), rather than until discovery drops it (~20 s)."""
         turn = pick.turn
+        if turn is not None and status is not None and 400 <= status < 500:
+            # Refused by the frontend for what the picker does not check (an orphan tool result):
+            # the decision stands counted, the refusal beside it.
+            self.routing.metrics.frontend_refusals.labels(str(status)).inc()
         if status is None or status < 500 or turn is None or turn.decision.route is not Route.VIA_PREFILL:
             return
         if turn.prefill is None:

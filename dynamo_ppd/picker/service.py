@@ -50,7 +50,8 @@ async def serve(configs: tuple[RoutingConfig, PickerConfig]) -> None:
         path, strip_anthropic_preamble=picker_config.strip_anthropic_preamble)
     picker = Picker(routing, tokenizer, frontends, send_token_ids=picker_config.send_token_ids,
                     observe_share=picker_config.observe_share, session_headers=picker_config.session_headers,
-                    budget=TokenizeBudget(picker_config.deadline_ms / 1e3))
+                    budget=TokenizeBudget(picker_config.deadline_ms / 1e3),
+                    served_models=[config.served_model_name] if config.served_model_name else None)
     if routing.kv_sync is not None and not await routing.kv_sync.settled():
         log.warning("the workers' residency was not rebuilt within 10 s of start; serving anyway "
                     "(follow-ups go through prefill until their decode workers' KV events arrive)")

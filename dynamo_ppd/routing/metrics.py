@@ -46,10 +46,14 @@ class RoutingMetrics:
         self.sessions_evicted = Counter(
             "ppd_sessions_evicted", "Sessions dropped past --max-sessions (least recently used first)",
             registry=self.registry)
+        self.frontend_refusals = Counter(
+            "ppd_frontend_refusals", "Routed requests the frontend then refused (HTTP 4xx), by status: "
+            "decisions made for turns that did not happen", ["status"], registry=self.registry)
         self.decode_divergence = Counter(
             "ppd_decode_divergence",
-            "Follow-ups whose history was on another decode worker than the planner had chosen "
-            "(behind the endpoint picker: Dynamo's frontend picked another one)", registry=self.registry)
+            "Follow-ups whose history was on another decode worker than the planner had chosen for "
+            "the turn before (behind the endpoint picker: only after a decode-local turn, the one "
+            "route whose worker the frontend is expected to keep)", registry=self.registry)
         self.session_forks = Counter(
             "ppd_session_forks", "Turns under a session id whose prompt did not continue its history",
             registry=self.registry)

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +139,9 @@ class Routing:
         # session keeps its prefill worker while that one is live and reachable
         # (`_keep_bound_prefill`).
         self.prefill_bound_downstream = False
+        # Behind the picker: sessions whose last turn ran decode-local, the one route on which the
+        # frontend is expected to use the planner's decode worker (`ppd_decode_divergence`).
+        self._pinned_decode: OrderedDict[str, bool] = OrderedDict()
         self.last_observed: Observed | None = None  # the latest outcome's prediction error (debug line)
 
     async def start(self) -> None:
@@ -183,10 +186,14 @@ class Routing:
         await self._rate_publisher.start(self._nats)
 
     def _serving(self, worker: int) -> bool:
-        """The worker is serving turns now (ours, or any router's as its load reports say)."""
+        """The worker is serving turns now (ours, or any router's as its load reports say).
+        Behind the endpoint picker only its load reports say so: the picker charges a first turn
+        to the decode worker it planned, but Dynamo's frontend places that turn itself, maybe on
+        another worker (a worker charged that way is not one that served turns without KV events)."""
         report = self.reports.get(worker) or {}
         scheduled = report.get("scheduled_requests") or {}
-        return self.loads.inflight.get(worker, 0) > 0 or bool(scheduled.get("num_decode_requests"))
+        ours = not self.decode_chosen_downstream and self.loads.inflight.get(worker, 0) > 0
+        return ours or bool(scheduled.get("num_decode_requests"))
 
     async def stop(self) -> None:
         if self.kv_sync is not None:
@@ -221,7 +228,10 @@ class Routing:
         if record is not None and self.decode_chosen_downstream:
             home = planner.served_home(record, cluster)
             if home != record.decode_worker:
-                self.metrics.decode_divergence.inc()
+                # Divergence only where the planner's worker was the frontend's to follow (a
+                # decode-local turn); a turn through prefill is placed by the frontend's KV router.
+                if self._pinned_decode.pop(record.session_id, False):
+                    self.metrics.decode_divergence.inc()
                 record = msgspec.structs.replace(record, decode_worker=home)
         stop = request.get("stop_conditions") or {}
         decided = planner.plan(
@@ -437,6 +447,12 @@ class Routing:
         request's path waits for etcd, and the follow-up comes seconds later."""
         self.sessions.record_later(self._record(plan, prompt, []))
         self.metrics.sessions_active.set(len(self.sessions.table))
+        if self.decode_chosen_downstream:
+            self._pinned_decode.pop(plan.session_id, None)
+            if plan.decision.route is Route.DECODE_LOCAL:
+                self._pinned_decode[plan.session_id] = True
+                while len(self._pinned_decode) > self.config.max_sessions:
+                    self._pinned_decode.popitem(last=False)
 
     def _record(self, plan: Turn, prompt: list[int], output: list[int]) -> SessionRecord:
         history = prompt + output if output else prompt
