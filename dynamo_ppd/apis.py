@@ -2,7 +2,7 @@
 frontend writes on it. Every component that answers a client itself (the endpoint picker's
 refusals, the gateway's own 4xx and 5xx) takes the shape from here, by the request's path.
 
-Shapes, as the 1.6.1 frontend answers (observed on the wheel, `tests/data/frontend_errors.json`):
+Shapes, as the 1.6.1 frontend answers (observed on the wheel, docs/errors.md):
 
 - OpenAI's paths (chat completions, completions, responses, and any other):
   ``{"message": ..., "type": <the status's reason phrase>, "code": <status>}``, the frontend's

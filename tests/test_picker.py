@@ -13,8 +13,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from dynamo_ppd.picker.extproc import DESTINATION_HEADER, ExtProcService
 from dynamo_ppd.apis import CHAT
+from dynamo_ppd.picker.extproc import DESTINATION_HEADER, ExtProcService
 from dynamo_ppd.picker.picker import Pick, Refusal
 from dynamo_ppd.picker.route import (
     AGENT_SESSION_HEADERS,
@@ -318,7 +318,10 @@ def test_bad_input_goes_to_the_frontend_unrouted_as_the_client_sent_it():
     picker = Picker(routing, _Tokens(), ["127.0.0.1:8001"])  # type: ignore[arg-type]
     bodies = [b"{nope", b"[1, 2]", b"[" * 100_000 + b"]" * 100_000,  # (deeper than Python's stack)
               json.dumps({"messages": [{"role": "user", "content": "w " * 150}]}).encode(),  # over context
-              json.dumps({"max_tokens": -3, "messages": [{"role": "user", "content": "a"}]}).encode()]
+              json.dumps({"max_tokens": -3, "messages": [{"role": "user", "content": "a"}]}).encode(),
+              json.dumps({"max_tokens": True, "messages": [{"role": "user", "content": "a"}]}).encode(),
+              json.dumps({"stream": "yes", "messages": [{"role": "user", "content": "a"}]}).encode(),
+              json.dumps({"temperature": "hot", "messages": [{"role": "user", "content": "a"}]}).encode()]
     for body in bodies:
         picked = asyncio.run(picker.pick({}, body, "/v1/chat/completions"))
         assert (picked.endpoint, picked.set_headers, picked.body, picked.unplaced) == \
@@ -326,7 +329,7 @@ def test_bad_input_goes_to_the_frontend_unrouted_as_the_client_sent_it():
     long_id = {"x-dynamo-session-id": "s" * 300}
     ok_body = json.dumps({"messages": [{"role": "user", "content": "a"}]}).encode()
     assert asyncio.run(picker.pick(long_id, ok_body, "/v1/chat/completions")).unplaced == "invalid"
-    assert _unplaced(routing) == {"invalid": 6.0}
+    assert _unplaced(routing) == {"invalid": 9.0}
 
 
 class _Unplaceable:

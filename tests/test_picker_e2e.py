@@ -3,8 +3,8 @@ every token. What the relay router guarantees still holds through the picker: a 
 first turn goes through the prefill worker and its follow-ups run decode-local on the decode worker
 holding the history; picker replicas share sessions; headerless users sharing a system prompt
 never merge; a spoofed session id does not move the owner; a restarted picker recovers residency
-from the workers; the session table is bounded; bad requests get their 4xx before any worker sees
-them; with no picker answering, the gateway fails open to the frontend; the picker learns from the
+from the workers; the session table is bounded; bad requests get the frontend's own 4xx and plan
+nothing; with no picker answering, the gateway fails open to the frontend; the picker learns from the
 follow-ups' answers it watches, as the relay router does from those it relays."""
 
 from __future__ import annotations
@@ -96,25 +96,30 @@ def test_the_picker_routes_turns_shares_sessions_and_keeps_conversations_apart(m
         dep.stop()
 
 
-def test_bad_requests_get_their_status_before_any_worker_sees_them(model_dir, tmp_path):
+def test_bad_requests_get_the_frontends_answer_and_plan_nothing(model_dir, tmp_path):
+    # Every bad input, on every API, against the frontend's own answer: tests/test_errors_e2e.py.
     dep = _up(tmp_path, model_dir, "run")
     try:
         before = _served_by_worker(dep)
         huge = _post(dep, {"model": dep.model_name, "max_tokens": 8,
                            "messages": [{"role": "user", "content": "word " * 150_000}]})
-        assert huge.status_code == 400 and "maximum context length" in huge.json()["error"]["message"]
+        # The frontend's own refusal (the workers register their max_seq_len, as dynamo.trtllm does).
+        assert huge.status_code == 400 and huge.json()["details"]["type"] == "context_length"
         too_many = _post(dep, {"model": dep.model_name, "max_tokens": 10_000_000, "stream": True,
                                "messages": [{"role": "user", "content": "hi"}]})
         assert too_many.status_code == 400  # a streamed request's error is its HTTP status
+        assert "must not exceed 1048576" in too_many.json()["message"]
         bad_id = _post(dep, {"model": dep.model_name, "max_tokens": 8, "stream": True,
                              "messages": [{"role": "user", "content": "hi"}]},
                        {"x-dynamo-session-id": "x" * 1000})
-        assert bad_id.status_code == 400 and "x-dynamo-session-id" in bad_id.json()["error"]["message"]
+        assert bad_id.status_code == 400
         not_json = httpx.post(f"{dep.base_url}/v1/chat/completions", content=b"{nope",
                               headers={"content-type": "application/json"}, timeout=30)
-        assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
-        assert _served_by_worker(dep) == before
-        assert _gateway(dep, "ppd_gateway_immediate_responses_total") == 4
+        assert not_json.status_code == 400 and "Failed to deserialize" in not_json.json()["message"]
+        assert _served_by_worker(dep) == before  # no worker saw any of them
+        assert _gateway(dep, "ppd_gateway_immediate_responses_total") == 0  # all the frontend's answers
+        assert sum(v for k, v in metrics(dep, "picker").items()
+                   if k.startswith("ppd_decisions_total")) == 0  # and no decision was made
         # A client's own routing pin is dropped: a pin to a worker id nobody has is not a 400.
         hi = [{"role": "user", "content": "hi"}]
         ok = _post(dep, {"model": dep.model_name, "max_tokens": 4, "messages": hi},

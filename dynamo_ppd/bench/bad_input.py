@@ -106,6 +106,11 @@ def _max_tokens(value: Any) -> Mutation:
     return mutate
 
 
+def _over_context(api: str) -> Any:
+    text = "word " * 140_000  # ~140K tokens with the Llama 3 tokenizer: over its 131,072-token context
+    return [{"role": "user", "content": text}] if api in ("chat", "messages") else text
+
+
 def _big_text(rng: random.Random) -> str:
     return "".join(rng.choice("abcdefghij klmnop") for _ in range(rng.choice((100_000, 400_000))))
 
@@ -165,6 +170,7 @@ MUTATIONS: dict[str, Mutation] = {
     "many_messages": _prompt(lambda rng: [{"role": "user" if i % 2 == 0 else "assistant", "content": "ok"}
                                           for i in range(rng.choice((1001, 5001)))]),
     "big_prompt": _prompt(lambda rng: [{"role": "user", "content": _big_text(rng)}]),
+    "over_context": lambda body, api, rng: {**body, _prompt_key(api): _over_context(api)},
     "unicode_prompt": _prompt(lambda rng: [{"role": "user", "content": "\u202e\u0000\ud7ff\U0001f600" * 50}]),
     # Header-only mutations (the body stays valid).
     "content_type_text": lambda body, api, rng: None,

@@ -69,6 +69,8 @@ class TokenizeBudget:
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.deadline_s)
         except asyncio.TimeoutError:
+            # It runs on to its end; its result or error is nobody's (retrieved, so not logged).
+            future.add_done_callback(lambda done: done.cancelled() or done.exception())
             raise OverBudget("over_deadline", f"a {size}-byte body was not tokenized within the picker's "
                              f"--deadline-ms {self.deadline_s * 1e3:g}") from None
 

@@ -56,6 +56,29 @@ HOLD_FALLBACK_S = 10.0  # a turn's load is held this long when the policy predic
 HOLD_MAX_S = 600.0
 
 
+# Top-level fields the four APIs type alike, checked before the picker adds its token ids: the
+# frontend's deserializer reports a wrong type at the end of the body it read, so a body the picker
+# grew would get another position in the frontend's message than the client's own body does.
+# Dynamo 1.6.1's frontend refuses a larger max_tokens ("Max tokens must not exceed 1048576").
+FRONTEND_MAX_TOKENS = 1 << 20
+_INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "seed", "top_k")
+_NUMBER_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "min_p")
+
+
+def plainly_typed(request: Mapping) -> bool:
+    """Whether the fields every API types alike have their type (absent or null is fine)."""
+    for key in _INTEGER_FIELDS:
+        value = request.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return False
+    for key in _NUMBER_FIELDS:
+        value = request.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return False
+    stream, options = request.get("stream"), request.get("stream_options")
+    return (stream is None or isinstance(stream, bool)) and (options is None or isinstance(options, dict))
+
+
 def valid_session_id(session_id: str | None) -> bool:
     """Whether a client's session id is one the frontend takes (`sessions.check_session_id`)."""
     return session_id is None or len(session_id.encode()) <= MAX_SESSION_ID_BYTES
@@ -136,7 +159,7 @@ class Picker:
             request = json.loads(body)
         except (ValueError, RecursionError):  # (RecursionError: nesting deeper than Python's stack)
             return self._unrouted(None, subset, "invalid", api)
-        if not isinstance(request, dict):
+        if not isinstance(request, dict) or not plainly_typed(request):
             return self._unrouted(None, subset, "invalid", api)
         clock.lap("parse")
         if self.served_models is not None and request.get("model") not in self.served_models:
@@ -157,8 +180,8 @@ class Picker:
         max_tokens = (request.get("max_completion_tokens") or request.get("max_tokens")
                       or request.get("max_output_tokens"))  # (the last: the Responses API's)
         session_id = session_from_headers(headers, self.session_headers)
-        if ((max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1))
-                or self.routing.limits.check(len(tokens), max_tokens) or not valid_session_id(session_id)):
+        if ((max_tokens is not None and not 1 <= max_tokens <= FRONTEND_MAX_TOKENS)
+                or self.routing.limits.prompt_refused(len(tokens)) or not valid_session_id(session_id)):
             return self._unrouted(request, subset, "invalid", api)
         endpoint = self.frontend(subset, api)  # before the turn is planned: a refusal records nothing
         turn_request = {"token_ids": tokens, "stop_conditions": {"max_tokens": max_tokens},

@@ -54,6 +54,17 @@ class RequestLimits:
         return None
 
 
+    def prompt_refused(self, prompt_tokens: int) -> bool:
+        """Whether Dynamo's frontend (or, past its KV, the worker) refuses this prompt outright:
+        as long as the context window or longer (the token budget dynamo.trtllm registers,
+        ``reject_prompt_overflow``; `worker.limits`), or more than any decode worker holds. A
+        prompt that fits with a ``max_tokens`` that does not is served, its output cut to fit."""
+        window = self.window()
+        if window is not None and prompt_tokens >= window:
+            return True
+        return bool(self.decode_capacity_tokens) and prompt_tokens > max(self.decode_capacity_tokens.values())
+
+
 def read_context_window(model_dir) -> int | None:
     """``max_position_embeddings`` of the model directory's config.json (None if absent)."""
     try:

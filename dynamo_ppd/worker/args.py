@@ -27,6 +27,7 @@ class WorkerConfig:
     kv_capacity_blocks: int | None
     max_batch_size: int | None
     max_num_tokens: int | None
+    max_seq_len: int | None
     default_max_tokens: int
     register_model: bool
     publish_kv_events: bool
@@ -67,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache size in blocks (default: derived from the profile's memory)")
     p.add_argument("--max-batch-size", type=positive_int, help="default: profile's")
     p.add_argument("--max-num-tokens", type=positive_int, help="default: profile's")
+    p.add_argument("--max-seq-len", type=positive_int,
+                   help="longest sequence (prompt + output) a request may have, as TensorRT-LLM's "
+                   "max_seq_len: published to the frontend, which refuses longer prompts with a 400 "
+                   "(default: the model directory's max_position_embeddings, what TensorRT-LLM "
+                   "infers when it is unset)")
     p.add_argument("--default-max-tokens", type=positive_int, default=256,
                    help="output length when a request sets no max_tokens")
     p.add_argument("--no-register-model", dest="register_model", action="store_false",
@@ -94,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         model_path=args.model_path, served_model_name=args.served_model_name, profile=args.profile,
         speedup=args.speedup, link_bandwidth_gbps=args.link_bandwidth_gbps,
         kv_capacity_blocks=args.kv_capacity_blocks, max_batch_size=args.max_batch_size,
-        max_num_tokens=args.max_num_tokens, default_max_tokens=args.default_max_tokens,
+        max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
+        default_max_tokens=args.default_max_tokens,
         register_model=args.register_model, publish_kv_events=args.publish_kv_events,
         publish_metrics=args.publish_metrics, seed=args.seed)

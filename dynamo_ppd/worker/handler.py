@@ -11,6 +11,9 @@ Request contract (dynamo.trtllm 1.6.1, request_handlers/handler_base.py):
 - decode mode with the ``x-bypass-remote-prefill`` annotation: ``context_and_generation`` here.
 - decode mode with neither: ``ValueError("Disaggregated params are required for decode mode")``.
 - agg mode: ``context_and_generation``.
+- a prompt of ``max_seq_len`` tokens or more: the final chunk ``finish_reason.error`` with
+  TensorRT-LLM's message; a longer ``max_tokens`` is cut to fit. The frontend refuses such prompts
+  itself (400) from the limit the worker registers (`limits`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ..engine.profile import EngineProfile, load_profile
 from ..engine.scheduler import Engine, EngineConfig, EngineRequest, Iteration, RequestKind, RequestRejected
 from ..runtime import create_runtime, run_component
 from .args import WorkerConfig, parse_args
+from .limits import SequenceTooLong, fit_to_max_seq_len, inferred_max_seq_len, publish_max_seq_len
 from .live import WallClockEngine
 
 log = logging.getLogger("dynamo_ppd.worker")
@@ -59,8 +63,10 @@ class SimulatedTrtllmHandler:
     """The endpoint handler: one instance per worker process."""
 
     def __init__(self, config: WorkerConfig, profile: EngineProfile, live: WallClockEngine,
-                 instance_id: int):
+                 instance_id: int, max_seq_len: int | None = None):
         self.config = config
+        # TensorRT-LLM's max_seq_len (`limits`); None: no limit (in-process tests).
+        self.max_seq_len = max_seq_len or config.max_seq_len
         self.profile = profile
         self.live = live
         self.instance_id = instance_id
@@ -74,6 +80,12 @@ class SimulatedTrtllmHandler:
         self.served: Counter[str] = Counter()
 
     def _engine_request(self, request: dict[str, Any], request_id: str) -> tuple[EngineRequest, dict | None]:
+        engine_request, prefill_details = self._leg(request, request_id)
+        if self.max_seq_len is not None:
+            fit_to_max_seq_len(engine_request, self.max_seq_len)
+        return engine_request, prefill_details
+
+    def _leg(self, request: dict[str, Any], request_id: str) -> tuple[EngineRequest, dict | None]:
         token_ids = list(request.get("token_ids") or [])
         stop = request.get("stop_conditions") or {}
         max_tokens = stop.get("max_tokens") or self.config.default_max_tokens
@@ -96,7 +108,12 @@ class SimulatedTrtllmHandler:
     async def generate(self, request: dict[str, Any], context):
         self.requests_total += 1
         request_id = context.id() if context is not None else f"req-{self.requests_total}"
-        engine_request, prefill_details = self._engine_request(request, request_id)
+        try:
+            engine_request, prefill_details = self._engine_request(request, request_id)
+        except SequenceTooLong as exc:
+            # dynamo.trtllm 1.6.1 (handler_base.py, generate_locally, `except RequestError`).
+            yield {"finish_reason": {"error": str(exc)}, "token_ids": []}
+            return
         try:
             queue = self.live.submit(engine_request)
         except RequestRejected as exc:
@@ -190,6 +207,11 @@ def build_engine(config: WorkerConfig) -> tuple[EngineProfile, Engine, model_dir
     return profile, engine, info, str(path)
 
 
+def max_seq_len_of(config: WorkerConfig, model_path: str) -> int:
+    """--max-seq-len, else what TensorRT-LLM infers from the model directory."""
+    return config.max_seq_len or inferred_max_seq_len(model_path)
+
+
 class _Publishers:
     """KV events and load metrics over Dynamo's event plane, and Prometheus text."""
 
@@ -268,7 +290,8 @@ async def serve(config: WorkerConfig) -> None:
     publishers = _Publishers(endpoint, engine, config, instance_id)
     await publishers.start()
     live = WallClockEngine(engine, config.speedup, publishers.kv_events, publishers.iteration)
-    handler = SimulatedTrtllmHandler(config, profile, live, instance_id)
+    max_seq_len = max_seq_len_of(config, path)
+    handler = SimulatedTrtllmHandler(config, profile, live, instance_id, max_seq_len)
     publishers.served = handler.served
     live.start()
     if config.register_model:
@@ -278,6 +301,7 @@ async def serve(config: WorkerConfig) -> None:
         runtime_config.max_num_batched_tokens = engine.max_num_tokens
         runtime_config.enable_local_indexer = config.publish_kv_events
         runtime_config.kv_event_publishing_enabled = config.publish_kv_events
+        publish_max_seq_len(runtime_config, max_seq_len)
         if config.mode == "prefill":
             model_type, worker_type, needs = ModelType.Prefill, WorkerType.Prefill, [[WorkerType.Decode]]
         elif config.mode == "decode":
@@ -289,9 +313,9 @@ async def serve(config: WorkerConfig) -> None:
                              config.served_model_name or info.served_model_name,
                              worker_type=worker_type, kv_cache_block_size=engine.block_size,
                              runtime_config=runtime_config, needs=needs)
-    log.info("simulated TensorRT-LLM worker (%s, profile %s, %d KV blocks, speedup %g) serving "
-             "%s.%s.%s as instance %x", config.mode, profile.name, engine.cache.capacity,
-             config.speedup, config.namespace, config.component, config.endpoint, instance_id)
+    log.info("simulated TensorRT-LLM worker (%s, profile %s, %d KV blocks, max_seq_len %d, speedup %g) "
+             "serving %s.%s.%s as instance %x", config.mode, profile.name, engine.cache.capacity,
+             max_seq_len, config.speedup, config.namespace, config.component, config.endpoint, instance_id)
     status = runtime.endpoint(f"{config.namespace}.{config.component}.status")
     try:
         await asyncio.gather(
