@@ -35,7 +35,7 @@ real count.
 The frontend opens the chat-completions and completions streams of a decode-local follow-up of
 the ``ppd`` graph (its conditional disaggregation's bypass) with an event that has no data,
 ``event: x-bypass-remote-prefill`` / ``: true``, on which openai-python raises JSONDecodeError. The
-gateway drops such events (`dynamo_ppd/gateway/sse.py`); the tests here do not step around them:
+gateway drops such events (`dynamo_ppd/sse.py`); the tests here do not step around them:
 where one reaches the client, the SDKs' streamed chat and completions tests, the raw chat and
 completions streams and curl's chat fail (11 tests on ``ppd``). The Responses and Messages
 streams never carried one, nor did any stream of the other graphs.

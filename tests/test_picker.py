@@ -209,6 +209,25 @@ def test_response_messages_pass_through_unchanged():
     assert not common.HasField("body_mutation") and common.status == pb.CommonResponse.CONTINUE
 
 
+def test_an_event_stream_echoed_in_full_duplex_loses_its_events_without_data():
+    # Dynamo 1.6.1 opens a decode-local follow-up's stream with its bypass annotation: a GAIE
+    # gateway streams the body through the picker, whose echo leaves it out (split or not).
+    route = route_headers(Route.DECODE_LOCAL, None)
+    sse = base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":status", raw_value=b"200"),
+        base_pb2.HeaderValue(key="content-type", raw_value=b"text/event-stream")])
+    pieces = [b"event: x-bypass-rem", b"ote-prefill\n: true\n\ndata: {\"a\": 1}\n\n", b"data: [DONE]\n\n"]
+    response = [pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=sse)),
+                *(pb.ProcessingRequest(response_body=pb.HttpBody(body=p, end_of_stream=i == len(pieces) - 1))
+                  for i, p in enumerate(pieces))]
+    messages = _messages(BODY)
+    messages[0].protocol_config.response_body_mode = Mode.FULL_DUPLEX_STREAMED
+    replies, _ = _process(FakePicker(Pick("h:1", route.set, route.remove, None)), [*messages, *response])
+    echoed = [r.response_body.response.body_mutation.streamed_response for r in replies[3:]]
+    assert b"".join(e.body for e in echoed) == b'data: {"a": 1}\n\ndata: [DONE]\n\n'
+    assert [e.end_of_stream for e in echoed] == [False, False, True]
+
+
 def _response_headers(status: bytes) -> pb.ProcessingRequest:
     headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=status),
                                           base_pb2.HeaderValue(key="content-type", raw_value=b"text/plain")])

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from .sse import DatalessEventFilter
+from ..sse import DatalessEventFilter
 
 Headers = list[tuple[str, str]]  # (lower-cased name, value), in order, repeats allowed
 

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ..apis import api_of
+from ..sse import DatalessEventFilter, is_event_stream
 from .args import parse_endpoint
 from .http import (
     MAX_HEAD_BYTES,
@@ -34,7 +35,6 @@ from .http import (
     relay_body,
     simple_response,
 )
-from .sse import DatalessEventFilter, is_event_stream
 
 log = logging.getLogger("dynamo_ppd.gateway")
 

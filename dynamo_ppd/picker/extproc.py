@@ -11,20 +11,24 @@ naming the frontend, ``Content-Length`` when the body changed, and the same endp
 ``envoy.lb`` dynamic metadata), then the body (a streamed body response in full-duplex mode, as
 GAIE's EPP sends it; a body mutation, or none, in buffered mode). The frontend named is one of
 the endpoints the gateway allows when it says which (the subset hint in the request's metadata).
-A request that must not be
-forwarded gets an ImmediateResponse (400, 503) with an OpenAI-style error body. A request with no
-body (a GET) goes to a frontend unrouted.
+A request that cannot be
+forwarded gets an ImmediateResponse (503) with the error body of the request's API (`apis`). A
+request with no body (a GET) goes to a frontend unrouted.
 
-Response headers and bodies, if the gateway sends them, pass unchanged. The response headers of a
-routed request tell the picker its status (`Picker.answered`) and whether to watch the answer for
-its TTFT and TPOT (`Picker.watch`, `outcomes`: a share of the follow-ups, or every one where the
-gateway streams every response body through the picker anyway, FULL_DUPLEX_STREAMED, so that
-watching costs nothing more than reading chunks it echoes already); unless sent in observability
-mode they are
-answered with a ``mode_override`` whose ``response_body_mode`` is STREAMED for a watched answer
-and NONE for any other, so a gateway that allows overrides (``allow_mode_override``) sends only
-the watched answers' bodies. Each response body chunk is answered as the gateway's response body
-mode requires (`ProtocolConfiguration.response_body_mode`): a streamed body response echoing it in
+Response headers and bodies, if the gateway sends them, pass unchanged, but for the events without
+data an event stream loses on the way (`sse`: Dynamo 1.6.1's ``x-bypass-remote-prefill``
+annotation, which no conforming client dispatches and openai-python fails on): a GAIE gateway
+streams every response body through the picker (FULL_DUPLEX_STREAMED), so the picker's echo is
+where a Kubernetes deployment drops them, at no cost beyond the echo it makes anyway. The response
+headers of a routed request tell the picker its status (`Picker.answered`) and whether to watch
+the answer for its TTFT and TPOT (`Picker.watch`, `outcomes`: a share of the follow-ups, or every
+one where the gateway streams every response body through the picker anyway, FULL_DUPLEX_STREAMED,
+so that watching costs nothing more than reading chunks it echoes already); unless sent in
+observability mode they are answered with a ``mode_override`` whose ``response_body_mode`` is
+STREAMED for a watched answer and NONE for any other, so a gateway that allows overrides
+(``allow_mode_override``) sends only the watched answers' bodies. Each response body chunk is
+answered as the gateway's response body mode requires
+(`ProtocolConfiguration.response_body_mode`): a streamed body response echoing it in
 FULL_DUPLEX_STREAMED, an empty CONTINUE otherwise.
 """
 
@@ -41,6 +45,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from ..sse import DatalessEventFilter
 from .metrics import PickerMetrics
 from .outcomes import AnswerWatch
 from .picker import Pick, Picker, Refusal
@@ -171,6 +176,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         clock: StageClock | None = None
         picked: list[Pick] = []  # the request's pick, once made (its answer's status is checked)
         watch: AnswerWatch | None = None  # the answer's TTFT and TPOT, when watched
+        events: DatalessEventFilter | None = None  # an event stream echoed in full duplex (`sse`)
         picked_at = 0.0
         async for message in request_iterator:
             if clock is None:
@@ -210,16 +216,21 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     self.picker.answered(picked[0], status)
                     watch = self.picker.watch(picked[0], status, content_type(response), picked_at,
                                               every_body)
+                if response_full_duplex and "event-stream" in content_type(message.response_headers):
+                    events = DatalessEventFilter()
                 if not message.observability_mode:  # in observability mode Envoy reads no answer
                     yield WATCH_BODY if watch is not None else SKIP_BODY
-            elif kind == "response_body":  # passed through unchanged, as GAIE's EPP does
+            elif kind == "response_body":  # passed through as GAIE's EPP does, less data-less events
                 chunk = message.response_body
                 if watch is not None:
                     watch.chunk(chunk.body, chunk.end_of_stream)
                 if response_full_duplex:
+                    echo = chunk.body
+                    if events is not None:  # Dynamo's bypass annotation, which openai-python fails on
+                        echo = events.feed(echo) + (events.end() if chunk.end_of_stream else b"")
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
                         body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                            body=chunk.body, end_of_stream=chunk.end_of_stream)))))
+                            body=echo, end_of_stream=chunk.end_of_stream)))))
                 else:
                     yield BODY_CONTINUE
             elif kind == "response_trailers":

@@ -1,4 +1,4 @@
-"""`gateway.sse.DatalessEventFilter`: events a client cannot parse (a name, maybe a comment, no
+"""`sse.DatalessEventFilter`: events a client cannot parse (a name, maybe a comment, no
 data: Dynamo 1.6.1's ``x-bypass-remote-prefill`` annotation) leave the stream; everything else
 reaches the client byte for byte, however the body is cut into pieces."""
 
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from dynamo_ppd.gateway.sse import DatalessEventFilter, is_event_stream
+from dynamo_ppd.sse import DatalessEventFilter, is_event_stream
 
 pytestmark = pytest.mark.unit
 
