@@ -27,7 +27,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-DEFAULT_DEADLINE_S = 0.3  # under a third of the local gateway's 1 s message timeout
+DEFAULT_DEADLINE_S = 0.5  # half the local gateway's 1 s message timeout: a 100K-token prompt takes ~0.2 s
 # A body this large goes to the worker thread: ~16K tokens of prompt, ~10 ms of tokenizing.
 OFFLOAD_BYTES = 64 << 10
 
