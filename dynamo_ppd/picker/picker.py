@@ -1,17 +1,24 @@
 """The endpoint picker's per-request work: an OpenAI request in, its route as headers out.
 
-`Picker.pick` parses the body, tokenizes it as Dynamo's frontend will (`prompt.PromptTokenizer`),
-checks the limits, plans the turn with the relay router's own state and planner
-(`routing.state.Routing.plan_turn`: session, residency, loads, the policy), records the turn in
-its session (write-behind: nothing on the path waits for etcd), and answers with the frontend to
-send the request to, the headers that carry the route (`route.route_headers`) and the body with
-the prompt's token ids in it, so the frontend does not tokenize it again (`_body_to_send`). It
-does not need the answer's tokens: the next turn finds the history by the decode worker's KV
-events (TensorRT-LLM stores a finished sequence's blocks) and the prompt, which repeats the
-answer. It sees the answer's status when the gateway sends the response headers (`answered`): a
-failed turn pinned to a prefill worker tells it that worker is gone. And it watches a share of the
-follow-ups' answers (`watch`, `outcomes.AnswerWatch`: ``--observe-share``) for their TTFT and
-TPOT, which the policy learns from as it does behind the relay router.
+`Picker.pick` parses the body, tokenizes it as Dynamo's frontend will (`prompt.PromptTokenizer`; a
+large prompt on a worker thread within a deadline, `budget`), plans the turn with the relay
+router's own state and planner (`routing.state.Routing.plan_turn`: session, residency, loads, the
+policy), records the turn in its session (write-behind: nothing on the path waits for etcd), and
+answers with the frontend to send the request to, the headers that carry the route
+(`route.route_headers`) and the body with the prompt's token ids in it, so the frontend does not
+tokenize it again (`_body_to_send`). It does not need the answer's tokens: the next turn finds the
+history by the decode worker's KV events (TensorRT-LLM stores a finished sequence's blocks) and
+the prompt, which repeats the answer. It sees the answer's status when the gateway sends the
+response headers (`answered`): a failed turn pinned to a prefill worker tells it that worker is
+gone. And it watches a share of the follow-ups' answers (`watch`, `outcomes.AnswerWatch`:
+``--observe-share``) for their TTFT and TPOT, which the policy learns from as it does behind the
+relay router.
+
+What the picker cannot make a turn of goes to the frontend unrouted (`_unrouted`,
+``ppd_requests_unplaced_total{reason}``): bad input the frontend refuses (its own status and
+message reach the client: docs/errors.md), a model it does not serve, an API or a prompt the
+picker does not mirror, a prompt too large to tokenize in time. It refuses (HTTP 503, `Refusal`)
+only a request it has nowhere to send.
 
 The loads this picker adds (``Routing.loads``, which placement ranks workers by, merged with the
 workers' forward-pass reports) are charged when a turn is routed and released when the turn is
@@ -56,11 +63,11 @@ HOLD_FALLBACK_S = 10.0  # a turn's load is held this long when the policy predic
 HOLD_MAX_S = 600.0
 
 
+# Dynamo 1.6.1's frontend refuses a larger max_tokens ("Max tokens must not exceed 1048576").
+FRONTEND_MAX_TOKENS = 1 << 20
 # Top-level fields the four APIs type alike, checked before the picker adds its token ids: the
 # frontend's deserializer reports a wrong type at the end of the body it read, so a body the picker
 # grew would get another position in the frontend's message than the client's own body does.
-# Dynamo 1.6.1's frontend refuses a larger max_tokens ("Max tokens must not exceed 1048576").
-FRONTEND_MAX_TOKENS = 1 << 20
 _INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "seed", "top_k")
 _NUMBER_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "min_p")
 
@@ -159,8 +166,10 @@ class Picker:
             request = json.loads(body)
         except (ValueError, RecursionError):  # (RecursionError: nesting deeper than Python's stack)
             return self._unrouted(None, subset, "invalid", api)
-        if not isinstance(request, dict) or not plainly_typed(request):
+        if not isinstance(request, dict):
             return self._unrouted(None, subset, "invalid", api)
+        if not plainly_typed(request):
+            return self._unrouted(request, subset, "invalid", api)
         clock.lap("parse")
         if self.served_models is not None and request.get("model") not in self.served_models:
             return self._unrouted(request, subset, "model_not_served", api)
