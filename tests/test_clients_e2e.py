@@ -17,8 +17,8 @@ Clients: the `openai` SDK (chat completions and completions streamed with and wi
 both to ``get_final_message`` and event by event, a tool loop with ``tool_use`` / ``tool_result``
 follow-ups, extended ``thinking``), ``curl -N`` where a curl is installed (skipped otherwise), and
 one raw stream per API read byte for byte (`httpx.stream`) and checked against the SSE
-specification and its API's event grammar (`tests/sse_grammar.py`). aiperf is not installed
-here and not tested.
+specification and its API's event grammar (`tests/sse_grammar.py`), and aiperf (multi-turn
+streamed chat, from its own venv `.aiperf`, which `.ci/run` makes; skipped without it).
 
 What Dynamo 1.6.1's frontend answers that a client should know (seen on all four graphs unless
 said): ``thinking`` is accepted (200) and ignored: no thinking block comes back, and neither
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -52,6 +53,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -611,3 +613,38 @@ def test_curl_streams(served, api, tmp_path):
         history += [{"role": "assistant", "content": text}, {"role": "user", "content": "And then?"}]
     routes.expect(first=1, follow_ups=1)
     assert not found, f"curl {api} on {served.route.id}: {json.dumps(found, indent=1)}"
+
+
+# -- aiperf, NVIDIA's benchmark client (its own venv) ---------------------------------------------
+
+AIPERF_VENV = Path(__file__).parent.parent / ".aiperf"  # made by .ci/run (the README says how)
+
+
+def _aiperf() -> str | None:
+    found = os.environ.get("AIPERF") or (AIPERF_VENV / "bin" / "aiperf")
+    return str(found) if Path(found).exists() else None
+
+
+@pytest.mark.skipif(_aiperf() is None, reason="aiperf is not installed: uv venv .aiperf -p python3 && "
+                    "uv pip install -p .aiperf aiperf==0.13.0 (or AIPERF=/path/to/aiperf)")
+def test_aiperf_multi_turn_streamed_conversations(served, model_dir, tmp_path, record):
+    # 6 conversations of 3 turns, streamed chat, each under its own session header: aiperf sends
+    # each turn the history back, as a chat client does, and reports what it could not parse.
+    if served.route.id == "ppd-mode-pd":
+        pytest.skip("aiperf runs on ppd, ppd-relay and pd (~11 s each); this is ppd's graph again")
+    routes = Routes(served)
+    out = tmp_path / "aiperf"
+    done = subprocess.run(
+        [_aiperf(), "profile", "--model-names", served.model, "--url", served.base_url,
+         "--endpoint-type", "chat", "--streaming", "--tokenizer", str(model_dir),
+         "--conversation-num", "6", "--conversation-turn-mean", "3", "--conversation-turn-stddev", "0",
+         "--request-count", "18", "--concurrency", "3", "--prompt-input-tokens-mean", "200",
+         "--prompt-output-tokens-mean", str(MAX_TOKENS), "--session-header", SESSION,
+         "--output-artifact-dir", str(out), "--ui-type", "none"],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "NO_COLOR": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "profile_export_aiperf.json").read_text())
+    record("aiperf", {k: report[k] for k in ("request_count", "error_request_count") if k in report})
+    assert report["request_count"]["avg"] == 18 and not report.get("error_request_count")
+    assert report["time_to_first_token"]["avg"] > 0
+    routes.expect(first=6, follow_ups=12)
