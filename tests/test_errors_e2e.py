@@ -104,6 +104,7 @@ def test_a_2mb_prompt_of_new_text_is_refused_in_seconds_and_the_picker_keeps_dec
         return big.status_code, took, answered
 
     status, took, answered = asyncio.run(run())
+    print(f"a 2 MB prompt beside 8 conversations: HTTP {status} in {took:.2f} s")  # (seen with -s)
     assert 400 <= status < 500 and took < 10, (status, took)
     assert len(answered) == 24 and all(ok for *_, ok in answered)
     # Every turn of the 8 conversations was decided by the picker: 8 first turns, 16 follow-ups.
