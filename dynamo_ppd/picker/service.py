@@ -93,6 +93,7 @@ async def serve(configs: tuple[RoutingConfig, PickerConfig]) -> None:
         for server in servers:
             await server.stop(grace=2.0)
         await frontends.stop()
+        picker.budget.close()  # tokenizations not started yet are dropped
         if cards is not None:
             await cards.stop()
         await routing.stop()
