@@ -45,7 +45,6 @@ from typing import Any
 
 from .chat_template import PromptError, Unplaceable
 
-MESSAGES_PATH = "/v1/messages"
 BILLING_PREAMBLE = "x-anthropic-billing-header:"  # anthropic.rs strip_billing_preamble
 _IGNORED_BLOCKS = frozenset({"redacted_thinking", "server_tool_use", "web_search_tool_result"})
 _USER_BLOCKS = frozenset({"text", "image", "tool_result"})

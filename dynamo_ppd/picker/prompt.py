@@ -43,15 +43,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..apis import CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH, RESPONSES_PATH, normalized_path
 from ..model import ModelDirError
 from . import messages as anthropic_messages
 from . import responses as openai_responses
 from .chat_template import ChatTemplate, PromptError, Unplaceable
 
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
 # The paths whose prompt is a chat (the agent APIs' bodies are made into one first).
-CHAT_LIKE_PATHS = (CHAT_PATH, anthropic_messages.MESSAGES_PATH, openai_responses.RESPONSES_PATH)
+CHAT_LIKE_PATHS = (CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH)
 
 # lib/llm/src/preprocessor/prompt.rs
 CONTINUE_FINAL_MESSAGE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -305,10 +304,6 @@ def _thinking_args(body: Mapping[str, Any], args: dict[str, Any]) -> None:
     if enabled is not None:
         args.update(thinking=enabled, enable_thinking=enabled,
                     thinking_mode="enabled" if enabled else "disabled")
-
-
-def _normalized_path(path: str) -> str:
-    return path.split("?", 1)[0].rstrip("/")
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -568,12 +563,12 @@ class PromptTokenizer:
         stage clock)."""
         if not isinstance(body, Mapping):
             raise PromptError("the request body must be a JSON object")
-        endpoint = _normalized_path(path)
+        endpoint = normalized_path(path)
         if endpoint in CHAT_LIKE_PATHS:
             chat = body
-            if endpoint == anthropic_messages.MESSAGES_PATH:
+            if endpoint == MESSAGES_PATH:
                 chat = anthropic_messages.chat_body(body, self.strip_anthropic_preamble)
-            elif endpoint == openai_responses.RESPONSES_PATH:
+            elif endpoint == RESPONSES_PATH:
                 chat = openai_responses.chat_body(body)
             prompt = self.render(chat)  # rendered even with token_data: its errors are the frontend's too
             if lap is not None:
@@ -595,7 +590,7 @@ class PromptTokenizer:
     def tokenized_text(body: Mapping[str, Any], path: str) -> bool:
         """Whether the frontend tokenizes text for this (valid) request: a chat, or a completion
         whose prompt is a string (alone or as a one-item list), not token ids."""
-        endpoint = _normalized_path(path)
+        endpoint = normalized_path(path)
         if endpoint in CHAT_LIKE_PATHS:
             return True
         prompt = body.get("prompt")

@@ -34,7 +34,6 @@ from typing import Any
 
 from .chat_template import PromptError, Unplaceable
 
-RESPONSES_PATH = "/v1/responses"
 _UNSUPPORTED = ("previous_response_id", "background", "prompt", "max_tool_calls")  # 501 in 1.6.1
 _SYSTEM_ROLES = ("system", "developer")
 
