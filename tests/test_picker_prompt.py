@@ -707,7 +707,7 @@ def _assert_encodes_like_the_tokenizer(prompts: PromptTokenizer, texts: list[str
 @pytest.mark.slow  # the session's model directory is trained once (~10 s)
 def test_encode_piece_by_piece_matches_the_model_tokenizer(model_dir):
     prompts = PromptTokenizer.from_model_dir(model_dir)
-    assert prompts.piecewise
+    assert prompts.piecewise and prompts.encoder == "fastokens"  # its pieces encoded by fastokens
     specials = [t.content for t in prompts.tokenizer.get_added_tokens_decoder().values()]
     assert "<|eot_id|>" in specials and "<|start_header_id|>" in specials
     rng = random.Random(7)
@@ -717,6 +717,32 @@ def test_encode_piece_by_piece_matches_the_model_tokenizer(model_dir):
               "<|end_header_id|>\n\nhello<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"]
     _assert_encodes_like_the_tokenizer(prompts, texts)
     _assert_encodes_like_the_tokenizer(prompts, texts[::-1])  # again, from the cache
+
+
+class _OffByOne:
+    """An encoder that agrees with the tokenizer except on texts with a digit in them."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode_batch(self, texts, add_special_tokens=False):
+        out = self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [type("E", (), {"ids": e.ids + [0] if any(c.isdigit() for c in t) else e.ids})()
+                for t, e in zip(texts, out, strict=True)]
+
+
+@pytest.mark.unit
+@pytest.mark.slow  # the session's model directory is trained once (~10 s)
+def test_a_fast_encoder_is_used_only_where_its_ids_are_the_tokenizers(model_dir):
+    exact = PromptTokenizer.from_model_dir(model_dir)
+    plain = PromptTokenizer.from_model_dir(model_dir, fast=False)
+    assert (exact.encoder, plain.encoder) == ("fastokens", "tokenizers")
+    wrong = PromptTokenizer(plain.tokenizer, {"chat_template": UNIT_TEMPLATE},
+                            fast_encoder=_OffByOne(plain.tokenizer))
+    assert wrong.encoder == "tokenizers" and wrong.fast_encoder is None  # a probe has digits
+    body = {"messages": [{"role": "system", "content": "You guide ships. " * 40},
+                         {"role": "user", "content": "Berth 12 at 06:30, the Ça va 😀 tide?"}]}
+    assert exact.tokens(body, "/v1/chat/completions") == plain.tokens(body, "/v1/chat/completions")
 
 
 def _added_tokens_tokenizer(normalizer=None):

@@ -31,6 +31,7 @@ class PickerConfig:
     session_headers: tuple[str, ...] = AGENT_SESSION_HEADERS  # a conversation's id, first present wins
     strip_anthropic_preamble: bool = True  # as the frontend's --strip-anthropic-preamble
     deadline_ms: float = DEFAULT_DEADLINE_S * 1e3  # a prompt's tokenization; over it: unrouted (`budget`)
+    fast_tokenizer: bool = True  # fastokens for the text between added tokens, where it is exact
 
 
 def _endpoint_list(text: str) -> tuple[str, ...]:
@@ -118,6 +119,10 @@ def build_picker_parser() -> argparse.ArgumentParser:
                    "{reason=\"over_deadline\"|\"predicted_over_deadline\"}), which serves or refuses "
                    "it as it would without a picker. Keep it well under the gateway's ext_proc message "
                    "timeout, so one large prompt never makes the gateway drop the picker; 0: no bound")
+    g.add_argument("--fast-tokenizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="encode prompts with fastokens (10-25x faster than tokenizers here) where it "
+                   "gives the tokenizer's own ids on a set of probes checked at start, else with "
+                   "tokenizers, as Dynamo's frontend does; the log says which")
     g.add_argument("--timings", action="store_true",
                    help="add the picker's own time for each request, per stage, to the route's "
                    "dynamic metadata (namespace ppd.picker, microseconds): for the request-path "
@@ -145,4 +150,4 @@ def parse_args(argv: list[str] | None = None) -> tuple[RoutingConfig, PickerConf
                                                 a.frontend_refresh, a.secure_serving, a.cert_path,
                                                 a.timings, a.send_token_ids, a.observe_share,
                                                 a.session_headers, a.strip_anthropic_preamble,
-                                                a.deadline_ms)
+                                                a.deadline_ms, a.fast_tokenizer)

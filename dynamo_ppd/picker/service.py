@@ -47,7 +47,9 @@ async def serve(configs: tuple[RoutingConfig, PickerConfig]) -> None:
     frontends = Frontends(picker_config.frontends, picker_config.frontend_refresh_s)
     await frontends.start()
     tokenizer = PromptTokenizer.from_model_dir(
-        path, strip_anthropic_preamble=picker_config.strip_anthropic_preamble)
+        path, strip_anthropic_preamble=picker_config.strip_anthropic_preamble,
+        fast=picker_config.fast_tokenizer)
+    log.info("prompts encoded with %s", tokenizer.encoder)
     picker = Picker(routing, tokenizer, frontends, send_token_ids=picker_config.send_token_ids,
                     observe_share=picker_config.observe_share, session_headers=picker_config.session_headers,
                     budget=TokenizeBudget(picker_config.deadline_ms / 1e3),
