@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dynamo_ppd.picker.budget import OverBudget, TokenizeBudget
+from dynamo_ppd.picker.budget import PROBE_EVERY_S, OverBudget, TokenizeBudget
 
 pytestmark = pytest.mark.unit
 
@@ -50,15 +50,27 @@ async def test_a_tokenization_past_the_deadline_gives_up_and_the_loop_kept_answe
     budget.close()
 
 
-async def test_a_measured_throughput_predicts_and_refuses_what_cannot_fit():
-    budget = TokenizeBudget(deadline_s=0.2, offload_bytes=1)
+async def test_a_measured_throughput_predicts_and_refuses_what_cannot_fit_but_probes_again():
+    now = [0.0]
+    budget = TokenizeBudget(deadline_s=0.2, offload_bytes=1, now=lambda: now[0])
     assert await budget.run(100_000, slow(0.1)) == "ids"  # ~1 MB/s measured
     assert budget.bytes_per_s is not None and 0.5e6 < budget.bytes_per_s <= 1.0e6
     calls = []
-    with pytest.raises(OverBudget) as info:
-        await budget.run(1_000_000, lambda: calls.append(1))  # ~1 s predicted
-    assert info.value.reason == "predicted_over_deadline" and calls == []
+
+    def quick() -> str:
+        calls.append(1)
+        return "ids"
+
+    # ~1 s predicted: the first such body, the thread idle, is a probe (measured again)...
+    assert await budget.run(1_000_000, quick) == "ids" and calls == [1]
+    assert budget.bytes_per_s is not None and budget.bytes_per_s > 1.0e6  # it was quick: the estimate rose
+    budget.bytes_per_s = 1e6  # (as if the probe had been slow too)
+    with pytest.raises(OverBudget) as info:  # ...the next, within PROBE_EVERY_S, is refused
+        await budget.run(1_000_000, quick)
+    assert info.value.reason == "predicted_over_deadline" and calls == [1]
     assert await budget.run(50_000, slow(0.05)) == "ids"  # predicted to fit: run
+    now[0] += PROBE_EVERY_S + 1
+    assert await budget.run(1_000_000, quick) == "ids" and calls == [1, 1]  # probed again
     budget.close()
 
 

@@ -15,6 +15,9 @@ one large request would hold up every request behind it and take the picker off 
 - does not start a tokenization it predicts will not finish in time, from the throughput
   (body bytes per second) the finished ones measured: a tokenization abandoned at its deadline
   runs on to its end on the worker thread, so the prediction keeps that waste to the first one.
+  Once every `PROBE_EVERY_S`, when the thread is idle, one such body is tokenized all the same: a
+  throughput measured on a busy moment must be able to recover, or every body of that size would
+  go unrouted from then on.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ T = TypeVar("T")
 DEFAULT_DEADLINE_S = 0.5  # half the local gateway's 1 s message timeout: a 100K-token prompt takes ~0.2 s
 # A body this large goes to the worker thread: ~16K tokens of prompt, ~10 ms of tokenizing.
 OFFLOAD_BYTES = 64 << 10
+PROBE_EVERY_S = 10.0  # at most one tokenization predicted to miss its deadline is tried this often
 
 
 class OverBudget(Exception):
@@ -44,10 +48,13 @@ class TokenizeBudget:
     """See the module docstring. ``deadline_s`` None or 0: no bound (everything inline)."""
 
     def __init__(self, deadline_s: float | None = DEFAULT_DEADLINE_S, offload_bytes: int = OFFLOAD_BYTES,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, now: Callable[[], float] = time.monotonic):
         self.deadline_s = deadline_s or None
         self.offload_bytes = offload_bytes
-        self.clock = clock
+        self.clock = clock  # times a tokenization
+        self.now = now  # spaces the probes
+        self._in_flight = 0  # tokenizations on the worker thread or queued for it
+        self._last_probe = float("-inf")
         self.bytes_per_s: float | None = None  # the slowest recent offloaded throughput
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize") if self.deadline_s else None
 
@@ -61,11 +68,15 @@ class TokenizeBudget:
         assert self.deadline_s is not None
         predicted = self.predicted_s(size)
         if predicted is not None and predicted > self.deadline_s:
-            raise OverBudget("predicted_over_deadline",
-                             f"a {size}-byte body is predicted to take {predicted:.2f} s to tokenize, "
-                             f"over the picker's --deadline-ms {self.deadline_s * 1e3:g}")
+            if self._in_flight or self.now() - self._last_probe < PROBE_EVERY_S:
+                raise OverBudget("predicted_over_deadline",
+                                 f"a {size}-byte body is predicted to take {predicted:.2f} s to tokenize, "
+                                 f"over the picker's --deadline-ms {self.deadline_s * 1e3:g}")
+            self._last_probe = self.now()  # a probe: measured again, within the deadline as any
         loop = asyncio.get_running_loop()
+        self._in_flight += 1
         future = loop.run_in_executor(self._thread, self._timed, size, work)
+        future.add_done_callback(self._done)
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.deadline_s)
         except asyncio.TimeoutError:
@@ -73,6 +84,9 @@ class TokenizeBudget:
             future.add_done_callback(lambda done: done.cancelled() or done.exception())
             raise OverBudget("over_deadline", f"a {size}-byte body was not tokenized within the picker's "
                              f"--deadline-ms {self.deadline_s * 1e3:g}") from None
+
+    def _done(self, _future: asyncio.Future) -> None:
+        self._in_flight -= 1  # (on the event loop's thread, as every change of the count)
 
     def _timed(self, size: int, work: Callable[[], T]) -> T:
         start = self.clock()
