@@ -332,7 +332,8 @@ def test_settings_that_cannot_run_exit_2_with_one_line(capsys):
 def test_a_tiny_run_against_the_real_graph(model_dir, tmp_path):
     args = _args("--kinds", "follow-up,first-0.5k", "--rates", "20", "--follow-up-rates", "none",
                  "--duration", "1", "--warmup", "0.2", "--min-requests", "5", "--conversations", "4",
-                 "--closed-loop-concurrency", "2", "--closed-loop-requests", "4", "--closed-loop-kind",
+                 # 100 closed-loop picks: enough CPU ticks (10 ms each in /proc) to measure with fastokens
+                 "--closed-loop-concurrency", "2", "--closed-loop-requests", "100", "--closed-loop-kind",
                  "first-0.5k", "--out", str(tmp_path / "pp"))
     assert picker_path.main(args) == 0
     report = load(tmp_path / "pp.json")
