@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,19 +143,32 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
+# Ports this process handed out lately: the kernel may give the same free port to two calls in a
+# row (the first one's socket is closed before the second binds), and a graph started with the
+# same port for two servers fails at once (seen: the frontend's HTTP port given to NATS too).
+_HANDED_OUT: deque[int] = deque(maxlen=1024)
+
+
 def free_port(host: str = "127.0.0.1", below: int | None = None, avoid: set[int] | None = None) -> int:
-    """A port free right now. ``below``: Dynamo parses DYN_SYSTEM_PORT as an i16, so system ports
-    must be under 32768, while the kernel's ephemeral range usually starts above it."""
+    """A port free right now, and not one this process handed out lately. ``below``: Dynamo parses
+    DYN_SYSTEM_PORT as an i16, so system ports must be under 32768, while the kernel's ephemeral
+    range usually starts above it."""
     if below is None:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            return sock.getsockname()[1]
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+            if port not in _HANDED_OUT and (avoid is None or port not in avoid):
+                _HANDED_OUT.append(port)
+                return port
+        raise OSError("no free port found that was not handed out already")
     import random
 
     avoid = avoid or set()
     for _ in range(1000):
         port = random.randrange(20000, below)
-        if port not in avoid and not port_in_use(port, host):
+        if port not in avoid and port not in _HANDED_OUT and not port_in_use(port, host):
+            _HANDED_OUT.append(port)
             return port
     raise OSError(f"no free port found in 20000-{below}")
 
