@@ -435,7 +435,6 @@ class PickerPool:
         self.on_failure = on_failure  # told of each failure, and whether it ejected the replica
         self._down_until: dict[str, float] = {}
         self._failures: dict[str, int] = {}  # failures in a row, per replica
-        self.ejections = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, external_processor_pb2_grpc.ExternalProcessorStub] = {}
         self._closing: set[asyncio.Task] = set()
@@ -470,7 +469,6 @@ class PickerPool:
                                 failures, self.retry_after_s)
                     self._down_until[address] = self.clock() + self.retry_after_s
                     self._failures[address] = 0
-                    self.ejections += 1
                 else:
                     log.warning("picker %s failed (%s), %d in a row", address, exc, failures)
                 continue
