@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -292,8 +293,9 @@ class _Routing:
         self.limits = RequestLimits(context_window=100)
         self.raises = raises
         self.decode_chosen_downstream = False
+        self.config = SimpleNamespace(block_size=16)
 
-    async def plan_turn(self, request, tokens, forced=None, lap=None):
+    async def plan_turn(self, request, tokens, forced=None, lap=None, known_hashes=None):
         raise self.raises
 
 
@@ -306,7 +308,8 @@ def _pick(routing, body: bytes, headers: dict | None = None, path: str = "/v1/ch
           subset: list[str] | None = None) -> Refusal:
     from dynamo_ppd.picker.picker import Picker
 
-    picker = Picker(routing, _Tokens(), ["127.0.0.1:8001"])  # type: ignore[arg-type]
+    # (no prompt memo: the stand-in tokenizer has only `tokens`)
+    picker = Picker(routing, _Tokens(), ["127.0.0.1:8001"], prompt_memo_mb=0)  # type: ignore[arg-type]
     with pytest.raises(Refusal) as refused:
         asyncio.run(picker.pick(headers or {}, body, path, subset))
     return refused.value
@@ -334,7 +337,7 @@ def test_bad_input_goes_to_the_frontend_unrouted_as_the_client_sent_it():
     from dynamo_ppd.picker.picker import Picker
 
     routing = _Routing(AssertionError("bad input is never planned"))
-    picker = Picker(routing, _Tokens(), ["127.0.0.1:8001"])  # type: ignore[arg-type]
+    picker = Picker(routing, _Tokens(), ["127.0.0.1:8001"], prompt_memo_mb=0)  # type: ignore[arg-type]
     bodies = [b"{nope", b"[1, 2]", b"[" * 100_000 + b"]" * 100_000,  # (deeper than Python's stack)
               json.dumps({"messages": [{"role": "user", "content": "w " * 150}]}).encode(),  # over context
               json.dumps({"max_tokens": -3, "messages": [{"role": "user", "content": "a"}]}).encode(),

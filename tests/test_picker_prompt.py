@@ -28,6 +28,7 @@ import agent_api_cases
 import pytest
 
 from dynamo_ppd.picker import prompt as prompt_module
+from dynamo_ppd.picker.chat_template import Unplaceable
 from dynamo_ppd.picker.prompt import COMPLETIONS_PATH, PromptError, PromptTokenizer
 
 CHAT = "/v1/chat/completions"
@@ -393,6 +394,29 @@ def test_token_ids_match_the_frontend(capture, model, path, body):
         tokenizer = capture.tokenizers[model].tokenizer
         pytest.fail(f"token ids differ\nfrontend: {tokenizer.decode(sent[0], skip_special_tokens=False)!r}\n"
                     f"ours:     {tokenizer.decode(mine, skip_special_tokens=False)!r}")
+    # The picker's path (`prompt_memo`) gives the same ids, alone and after the request one
+    # message shorter (its session's memo reused).
+    assert _memo_ids(capture.tokenizers[model], path, body) == sent[0]
+
+
+def _memo_ids(tokenizer: PromptTokenizer, path: str, body: dict) -> list[int]:
+    from dynamo_ppd.picker.prompt_memo import ARRAY_KEYS, PromptMemos
+
+    alone = PromptMemos(tokenizer).prompt(PromptMemos(tokenizer).parse(json.dumps(body).encode(), path, "s"))
+    memos = PromptMemos(tokenizer)
+    key = ARRAY_KEYS.get(path)
+    if key is not None and isinstance(body.get(key), list) and len(body[key]) > 1:
+        earlier = json.dumps({**body, key: body[key][:-1]}).encode()
+        try:
+            parsed = memos.parse(earlier, path, "s")
+            memos.remember(parsed, memos.prompt(parsed), None)
+        except (PromptError, Unplaceable):
+            pass  # (the shorter request is not one the frontend takes: nothing kept)
+    parsed = memos.parse(json.dumps(body).encode(), path, "s")
+    after = memos.prompt(parsed)
+    assert list(after.ids) == list(alone.ids)
+    assert json.loads(after.ids_json()) == list(after.ids)
+    return list(after.ids)
 
 
 @pytest.mark.e2e

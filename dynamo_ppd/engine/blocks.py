@@ -20,10 +20,10 @@ Pure; the Dynamo import is deferred to the first call, so importing this module 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 # local_block_hashes(tokens, block_size) -> one hash per full block of ``tokens``.
-BlockHasher = Callable[[list[int], int], list[int]]
+BlockHasher = Callable[[Sequence[int], int], list[int]]
 
 ROOT = 0  # the parent of a sequence's first block, in prefix ids
 _MAX_BLOCK_ID = (1 << 63) - 1  # engine block ids are non-negative signed 64-bit integers
@@ -33,7 +33,7 @@ def dynamo_block_hasher() -> BlockHasher:
     """Dynamo's per-block token hash (what its KV indexer and the router compute)."""
     from dynamo._core import compute_block_hash_for_seq
 
-    return compute_block_hash_for_seq
+    return compute_block_hash_for_seq  # type: ignore[return-value]
 
 
 def chain_hash(parent: int | None, local: int) -> int:
@@ -58,11 +58,10 @@ def prefix_id(parent: int, local: int) -> int:
     return hash((parent, local))
 
 
-def prefix_chain(local_hashes: list[int]) -> list[int]:
+def prefix_chain(local_hashes: list[int], prefix: int = ROOT) -> list[int]:
     """Prefix ids of a sequence's full blocks (`prefix_id` along the sequence, written out: this
-    runs once per request on the decision path)."""
+    runs once per request on the decision path); ``prefix``: the id of the block before them."""
     out = []
-    prefix = ROOT
     for h in local_hashes:
         prefix = hash((prefix, h))
         out.append(prefix)

@@ -13,6 +13,7 @@ from ..routing.args import RoutingConfig, build_parser, config_from
 from .budget import DEFAULT_DEADLINE_S
 from .frontends import split_endpoint
 from .outcomes import DEFAULT_OBSERVE_SHARE
+from .prompt_memo import DEFAULT_MEMO_MB
 from .route import AGENT_SESSION_HEADERS
 
 
@@ -32,6 +33,7 @@ class PickerConfig:
     strip_anthropic_preamble: bool = True  # as the frontend's --strip-anthropic-preamble
     deadline_ms: float = DEFAULT_DEADLINE_S * 1e3  # a prompt's tokenization; over it: unrouted (`budget`)
     fast_tokenizer: bool = True  # fastokens for the text between added tokens, where it is exact
+    prompt_memo_mb: float = DEFAULT_MEMO_MB  # sessions' prompt work kept for their next request
 
 
 def _endpoint_list(text: str) -> tuple[str, ...]:
@@ -123,6 +125,12 @@ def build_picker_parser() -> argparse.ArgumentParser:
                    help="encode prompts with fastokens (10-25x faster than tokenizers here) where it "
                    "gives the tokenizer's own ids on a set of probes checked at start, else with "
                    "tokenizers, as Dynamo's frontend does; the log says which")
+    g.add_argument("--prompt-memo-mb", type=float, default=DEFAULT_MEMO_MB, metavar="MB",
+                   help="memory for what each session's last request computed (its body, converted "
+                   "messages, prompt text, token ids, block hashes), so that its next request parses, "
+                   "tokenizes and hashes only what it adds; least recently used dropped first "
+                   "(ppd_prompt_memo_total says what each request reused); 0: off "
+                   f"(default {DEFAULT_MEMO_MB})")
     g.add_argument("--timings", action="store_true",
                    help="add the picker's own time for each request, per stage, to the route's "
                    "dynamic metadata (namespace ppd.picker, microseconds): for the request-path "
@@ -144,10 +152,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[RoutingConfig, PickerConf
                      "served by Dynamo's own KV router with no picker")
     if not a.deadline_ms >= 0:
         parser.error(f"--deadline-ms {a.deadline_ms:g} must not be negative (0: no bound)")
+    if not a.prompt_memo_mb >= 0:
+        parser.error(f"--prompt-memo-mb {a.prompt_memo_mb:g} must not be negative (0: off)")
     if a.cert_path and not a.secure_serving:
         parser.error("--cert-path is for --secure-serving; add it, or drop --cert-path")
     return config_from(parser, a), PickerConfig(a.grpc_host, a.grpc_port, a.health_port, a.frontend,
                                                 a.frontend_refresh, a.secure_serving, a.cert_path,
                                                 a.timings, a.send_token_ids, a.observe_share,
                                                 a.session_headers, a.strip_anthropic_preamble,
-                                                a.deadline_ms, a.fast_tokenizer)
+                                                a.deadline_ms, a.fast_tokenizer, a.prompt_memo_mb)

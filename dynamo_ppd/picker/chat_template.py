@@ -580,18 +580,27 @@ class ChatTemplate:
 
     # -- per request -----------------------------------------------------------------------------
 
-    def render(self, messages: list[dict], tools: list[dict] | None, args: dict[str, Any],
-               add_generation_prompt: bool) -> str:
-        """The prompt for canonical ``messages`` and ``tools`` (None when the request has none or
-        they were dropped for ``tool_choice: none``) with the template arguments ``args``;
-        rewrites ``messages`` in place."""
-        import minijinja
-
+    def template_for(self, tools: list[dict] | None) -> _Template:
+        """The template a request renders with: ``tool_use`` when it has tools, else ``default``."""
         name: str = "tool_use" if tools else "default"
         template = self._templates.get(name)
         if template is None:
             raise PromptError(f"the model's chat template has no {name!r} template")
-        if template.system_rules.demote_nonleading_system or template.system_rules.coalesce_consecutive_users:
+        return template
+
+    @staticmethod
+    def per_message(template: _Template) -> bool:
+        """Whether `prepare` gives each message's form from that message alone: not where the
+        template merges or demotes system and user turns (`normalize_system_messages`), which
+        reads its neighbours. Where it does, a request's messages are prepared one by one and
+        the prepared forms kept (`prompt_memo`)."""
+        rules = template.system_rules
+        return not (rules.demote_nonleading_system or rules.coalesce_consecutive_users)
+
+    def prepare(self, messages: list[dict], template: _Template) -> list[Any]:
+        """Canonical ``messages`` after the rewrites Dynamo applies before rendering (oai.rs), as
+        the template is given them; rewrites ``messages`` in place."""
+        if not self.per_message(template):
             messages = normalize_system_messages(messages, template.system_rules)
         fix_message_content(messages, self.requires_content_arrays, self.image_placeholder)
         normalize_arguments(messages, tool_calls=not template.handles_arguments_string)
@@ -599,15 +608,32 @@ class ChatTemplate:
             join_reasoning_segments(messages)
         else:
             inject_reasoning(messages)
+        return _for_template(messages)
+
+    def render_prepared(self, template: _Template, prepared: list[Any], tools: list[dict] | None,
+                        args: dict[str, Any], add_generation_prompt: bool) -> str:
+        """The prompt for `prepare`'d messages (the minijinja render itself)."""
+        import minijinja
+
         # The six base variables win over chat_template_args (minijinja `context!` merge order).
-        context = {**_for_template(args), "messages": _for_template(messages), "tools": _for_template(tools),
+        messages = prepared if isinstance(prepared, _DisplayList) else _DisplayList(prepared)
+        context = {**_for_template(args), "messages": messages, "tools": _for_template(tools),
                    "bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token,
                    "add_generation_prompt": add_generation_prompt}
         try:  # raise_exception's PromptError comes through as is (minijinja re-raises Python errors)
-            return self._env.render_template(name, **context)
+            return self._env.render_template(template.name, **context)
         except minijinja.TemplateError as exc:
             raise PromptError(f"chat template: {exc.message}") from None
         except PromptError:
             raise
         except (TypeError, ValueError) as exc:  # e.g. tojson of a value JSON cannot hold
             raise PromptError(f"chat template: {exc}") from None
+
+    def render(self, messages: list[dict], tools: list[dict] | None, args: dict[str, Any],
+               add_generation_prompt: bool) -> str:
+        """The prompt for canonical ``messages`` and ``tools`` (None when the request has none or
+        they were dropped for ``tool_choice: none``) with the template arguments ``args``;
+        rewrites ``messages`` in place."""
+        template = self.template_for(tools)
+        return self.render_prepared(template, self.prepare(messages, template), tools, args,
+                                    add_generation_prompt)

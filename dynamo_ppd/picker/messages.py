@@ -228,6 +228,41 @@ def chat_body(body: Mapping[str, Any], strip_preamble: bool = True) -> dict[str,
     docstring); `PromptError` where it answers 400, `Unplaceable` where the picker cannot mirror it."""
     if not isinstance(body, Mapping):
         raise PromptError("the request body must be a JSON object")
+    chat, messages = chat_head(body, strip_preamble)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise PromptError("messages: field required")
+    for i, message in enumerate(raw):
+        convert_message(i, message, messages)
+    chat["messages"] = messages
+    return chat
+
+
+def convert_message(i: int, message: Any, out: list[dict]) -> None:
+    """``messages[i]`` of a Messages API body made into chat messages, appended to ``out``
+    (each message converts alone: `prompt_memo` keeps a session's converted messages)."""
+    where = f"messages[{i}].content"
+    if not isinstance(message, Mapping):
+        raise PromptError(f"messages[{i}]: must be an object")
+    role, content = message.get("role"), message.get("content")
+    if role == "system" and isinstance(content, str):
+        out.append({"role": "system", "content": content})
+    elif role == "user" and isinstance(content, str):
+        out.append({"role": "user", "content": content})
+    elif role == "user":
+        _user(_blocks(content, where), where, out)
+    elif role == "assistant":
+        if isinstance(content, str):
+            out.append({"role": "assistant", "content": content})
+        else:
+            out.append(_assistant(_blocks(content, where), f"messages[{i}].content"))
+    else:
+        raise PromptError(f"messages[{i}].role: must be \"user\" or \"assistant\", not {role!r}")
+
+
+def chat_head(body: Mapping[str, Any], strip_preamble: bool = True) -> tuple[dict[str, Any], list[dict]]:
+    """The chat body of a Messages API body but for its messages (``messages`` empty), and the
+    chat messages its ``system`` makes (none or one), validated as `chat_body` validates them."""
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         raise PromptError("missing field `max_tokens`")
@@ -235,32 +270,11 @@ def chat_body(body: Mapping[str, Any], strip_preamble: bool = True) -> dict[str,
         raise PromptError("max_tokens: must be a non-negative integer")
     if max_tokens == 0:
         raise PromptError("max_tokens: must be greater than 0")
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise PromptError("messages: field required")
     messages: list[dict] = []
     system = _system(body.get("system"), strip_preamble)
     if system is not None:
         messages.append({"role": "system", "content": system})
-    for i, message in enumerate(raw):
-        where = f"messages[{i}].content"
-        if not isinstance(message, Mapping):
-            raise PromptError(f"messages[{i}]: must be an object")
-        role, content = message.get("role"), message.get("content")
-        if role == "system" and isinstance(content, str):
-            messages.append({"role": "system", "content": content})
-        elif role == "user" and isinstance(content, str):
-            messages.append({"role": "user", "content": content})
-        elif role == "user":
-            _user(_blocks(content, where), where, messages)
-        elif role == "assistant":
-            if isinstance(content, str):
-                messages.append({"role": "assistant", "content": content})
-            else:
-                messages.append(_assistant(_blocks(content, where), f"messages[{i}].content"))
-        else:
-            raise PromptError(f"messages[{i}].role: must be \"user\" or \"assistant\", not {role!r}")
-    chat: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens}
+    chat: dict[str, Any] = {"messages": [], "max_tokens": max_tokens}
     tools = _tools(body.get("tools"))
     if tools is not None:
         chat["tools"] = tools
@@ -270,4 +284,4 @@ def chat_body(body: Mapping[str, Any], strip_preamble: bool = True) -> dict[str,
     thinking = body.get("thinking")
     if isinstance(thinking, Mapping) and thinking.get("type") == "enabled":
         chat["chat_template_args"] = {"enable_thinking": True}
-    return chat
+    return chat, messages

@@ -29,11 +29,11 @@ clock), since no end of stream reaches the picker.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from array import array
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -48,6 +48,7 @@ from .chat_template import Unplaceable
 from .frontends import Frontends
 from .outcomes import DEFAULT_OBSERVE_SHARE, AnswerWatch
 from .prompt import PromptError, PromptTokenizer
+from .prompt_memo import DEFAULT_MEMO_MB, PromptMemos
 from .route import (
     AGENT_SESSION_HEADERS,
     CLIENT_ROUTING_HEADERS,
@@ -84,6 +85,13 @@ def plainly_typed(request: Mapping) -> bool:
             return False
     stream, options = request.get("stream"), request.get("stream_options")
     return (stream is None or isinstance(stream, bool)) and (options is None or isinstance(options, dict))
+
+
+def _encode_ids(value: object) -> object:
+    """msgspec's hook for the ids' array (`prompt_memo.Prompt.ids`)."""
+    if isinstance(value, array):
+        return value.tolist()
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
 
 
 def valid_session_id(session_id: str | None) -> bool:
@@ -126,7 +134,8 @@ class Picker:
                  frontends: Frontends | Sequence[str], send_token_ids: bool = True,
                  observe_share: float = DEFAULT_OBSERVE_SHARE, rng: random.Random | None = None,
                  session_headers: Sequence[str] = AGENT_SESSION_HEADERS,
-                 budget: TokenizeBudget | None = None, served_models: Sequence[str] | None = None):
+                 budget: TokenizeBudget | None = None, served_models: Sequence[str] | None = None,
+                 prompt_memo_mb: float = DEFAULT_MEMO_MB):
         self.routing = routing
         # The model names the frontend serves (None: not checked). A request naming none of them
         # is the frontend's to refuse, in its own words: it goes there unrouted, planning nothing.
@@ -134,6 +143,11 @@ class Picker:
         self.budget = budget or TokenizeBudget()  # `budget`: the tokenization's deadline
         self.session_headers = tuple(session_headers)  # `route.session_from_headers`
         self.tokenizer = tokenizer
+        # Each session's prompt work, kept for its next request (`prompt_memo`): what a request
+        # costs grows with what is new in it, not with its context.
+        self.prompts = PromptMemos(tokenizer, prompt_memo_mb)
+        self.prompts.block_size = routing.config.block_size
+        self.prompts.on_outcome = lambda outcome: routing.metrics.prompt_memo.labels(outcome).inc()
         self.send_token_ids = send_token_ids  # `_body_to_send`
         self.observe_share = observe_share  # `watch`
         self._draw = (rng or random.Random()).random
@@ -162,10 +176,12 @@ class Picker:
         gateway allows (see `frontend`); ``clock``: laps each stage."""
         clock = clock or StageClock()
         api = api_of(path)
-        try:
-            request = json.loads(body)
+        session_id = session_from_headers(headers, self.session_headers)
+        try:  # past what an earlier request of the session (or with the same head) shares
+            parsed = self.prompts.parse(body, path, session_id if valid_session_id(session_id) else None)
         except (ValueError, RecursionError):  # (RecursionError: nesting deeper than Python's stack)
             return self._unrouted(None, subset, "invalid", api)
+        request = parsed.request
         if not isinstance(request, dict):
             return self._unrouted(None, subset, "invalid", api)
         if not plainly_typed(request):
@@ -174,10 +190,10 @@ class Picker:
         if self.served_models is not None and request.get("model") not in self.served_models:
             return self._unrouted(request, subset, "model_not_served", api)
         try:
-            if len(body) < self.budget.offload_bytes:
-                tokens = self.tokenizer.tokens(request, path, lap=clock.lap)
-            else:
-                tokens = await self.budget.run(len(body), lambda: self.tokenizer.tokens(request, path))
+            if parsed.new_bytes < self.budget.offload_bytes:
+                prompt = self.prompts.prompt(parsed)
+            else:  # what is new in it is large: tokenized off the event loop, within the deadline
+                prompt = await self.budget.run(parsed.new_bytes, lambda: self.prompts.prompt(parsed))
             clock.lap("tokenize")
         except PromptError as exc:
             log.debug("unrouted (invalid): %s", exc)
@@ -186,9 +202,9 @@ class Picker:
             log.log(logging.INFO if isinstance(exc, OverBudget) else logging.DEBUG, "unrouted (%s): %s",
                     exc.reason, exc)
             return self._unrouted(request, subset, exc.reason, api)
+        tokens = prompt.ids
         max_tokens = (request.get("max_completion_tokens") or request.get("max_tokens")
                       or request.get("max_output_tokens"))  # (the last: the Responses API's)
-        session_id = session_from_headers(headers, self.session_headers)
         if ((max_tokens is not None and not 1 <= max_tokens <= FRONTEND_MAX_TOKENS)
                 or self.routing.limits.prompt_refused(len(tokens)) or not valid_session_id(session_id)):
             return self._unrouted(request, subset, "invalid", api)
@@ -197,7 +213,8 @@ class Picker:
                         "agent_context": {"session_id": session_id} if session_id else None}
         self.routing.rate.record(time.monotonic())
         try:
-            turn = await self.routing.plan_turn(turn_request, tokens, lap=clock.lap)
+            turn = await self.routing.plan_turn(turn_request, tokens, lap=clock.lap,
+                                                known_hashes=prompt.known_hashes)
             clock.lap("plan")
         except NoWorkers as exc:
             self.routing.metrics.errors.labels("no_workers").inc()
@@ -206,7 +223,8 @@ class Picker:
         route = route_headers(turn.decision.route, turn.prefill, None if turn.unbound else turn.session_id)
         self._charge(turn, max_tokens)
         self.routing.record_routed(turn, tokens)
-        new_body = self._body_to_send(body, request, tokens, path)
+        self.prompts.remember(parsed, prompt, (turn.local_hashes, turn.chained or []))
+        new_body = self._body_to_send(body, request, tokens, path, prompt.ids_json)
         clock.lap("record")
         return Pick(endpoint, route.set, route.remove, new_body, turn)
 
@@ -221,7 +239,8 @@ class Picker:
         return Pick(endpoint, {}, CLIENT_ROUTING_HEADERS, msgspec.json.encode(request) if pinned else None,
                     unplaced=reason)
 
-    def _body_to_send(self, body: bytes, request: dict, tokens: list[int], path: str) -> bytes | None:
+    def _body_to_send(self, body: bytes, request: dict, tokens: Sequence[int], path: str,
+                      ids_json: Callable[[], bytes] | None = None) -> bytes | None:
         """The body the frontend gets: None (the client's bytes) or a new one, without a client's
         routing pins (`without_client_pins`) and, with ``send_token_ids``, carrying the picker's
         token ids as ``nvext.token_data``. Dynamo 1.6.1's preprocessor (``gather_tokens`` in
@@ -236,12 +255,12 @@ class Picker:
             return msgspec.json.encode(request) if pinned else None
         if pinned or "nvext" in request:  # (an explicit null too: a second key would be refused)
             request["nvext"] = {**(nvext or {}), "token_data": tokens}
-            return msgspec.json.encode(request)
+            return msgspec.json.encode(request, enc_hook=_encode_ids)
         # No nvext in the body: splice it in before the object's closing brace rather than encode
         # the whole request again (a 100K-token prompt is ~400 KB of text).
         end = body.rindex(b"}")
-        return b"".join((body[:end], b',"nvext":{"token_data":', msgspec.json.encode(tokens), b"}}",
-                         body[end + 1:]))
+        ids = ids_json() if ids_json is not None else msgspec.json.encode(tokens, enc_hook=_encode_ids)
+        return b"".join((body[:end], b',"nvext":{"token_data":', ids, b"}}", body[end + 1:]))
 
     def answered(self, pick: Pick, status: int | None) -> None:
         """The gateway reports the frontend's answer status for a routed request. A 5xx for a turn

@@ -42,6 +42,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -179,65 +180,67 @@ def canonical_messages(messages: Any) -> list[dict]:
         raise PromptError("`messages` must be an array of messages")
     if not messages:
         raise PromptError("The 'messages' field cannot be empty. At least one message is required.")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise PromptError(f"{_where(i)} must be an object")
-        role = message.get("role")
-        if role not in _ROLE_FIELDS:
-            raise PromptError(f"{_where(i)}.role must be one of {', '.join(_ROLE_FIELDS)}, not {role!r}")
-        for field in _REQUIRED[role]:
-            if message.get(field) is None:
-                raise PromptError(f"{_where(i)}: a {role} message needs `{field}`")
-        if role != "system" and "tools" in message:
-            raise PromptError(f"`tools` is only accepted on system messages, not on role {role}")
-        canonical: dict[str, Any] = {"role": role}
-        for field in _ROLE_FIELDS[role]:
-            value = message.get(field)
-            if value is None:
-                if role == "function" and field == "content":
-                    canonical[field] = None  # Option<String> serialized as null, not skipped
-                continue
-            at = _where(i, field)
-            if field == "content" and role == "function":
-                if not isinstance(value, str):
-                    raise PromptError(f"{at} must be a string")
-            elif field == "content":
-                value = _content(role, value, at)
-            elif field == "tool_calls":
-                value = _tool_calls(value, at)
-            elif field == "function_call":
-                if not isinstance(value, Mapping) or not isinstance(value.get("name"), str) \
-                        or not isinstance(value.get("arguments"), str):
-                    raise PromptError(f"{at} must be an object with string `name` and `arguments`")
-                value = {"name": value["name"], "arguments": value["arguments"]}
-            elif field == "reasoning_content":
-                if not (isinstance(value, str) or (isinstance(value, list)
-                                                   and all(isinstance(s, str) for s in value))):
-                    raise PromptError(f"{at} must be a string or an array of strings")
-                value = list(value) if isinstance(value, list) else value
-            elif field == "tools":  # a system message's own tools: only an empty list renders here
-                if not isinstance(value, list):
-                    raise PromptError(f"{at} must be an array")
-                if value:
-                    raise PromptError(f"{at}: tools on a system message are not supported by this "
-                                      f"chat template")
-                value = []
-            elif field == "partial":
-                if not isinstance(value, bool):
-                    raise PromptError(f"{at} must be a boolean")
-                if value:
-                    raise PromptError(f"{at}: a partial assistant message is not supported by this "
-                                      f"chat template")
-            elif field == "audio":
-                if not isinstance(value, Mapping) or not isinstance(value.get("id"), str):
-                    raise PromptError(f"{at} must be an object with a string `id`")
-                value = {"id": value["id"]}
-            elif not isinstance(value, str):
+    return [canonical_message(i, message) for i, message in enumerate(messages)]
+
+
+def canonical_message(i: int, message: Any) -> dict:
+    """``messages[i]`` as `canonical_messages` gives it (each message stands alone)."""
+    if not isinstance(message, Mapping):
+        raise PromptError(f"{_where(i)} must be an object")
+    role = message.get("role")
+    if role not in _ROLE_FIELDS:
+        raise PromptError(f"{_where(i)}.role must be one of {', '.join(_ROLE_FIELDS)}, not {role!r}")
+    for field in _REQUIRED[role]:
+        if message.get(field) is None:
+            raise PromptError(f"{_where(i)}: a {role} message needs `{field}`")
+    if role != "system" and "tools" in message:
+        raise PromptError(f"`tools` is only accepted on system messages, not on role {role}")
+    canonical: dict[str, Any] = {"role": role}
+    for field in _ROLE_FIELDS[role]:
+        value = message.get(field)
+        if value is None:
+            if role == "function" and field == "content":
+                canonical[field] = None  # Option<String> serialized as null, not skipped
+            continue
+        at = _where(i, field)
+        if field == "content" and role == "function":
+            if not isinstance(value, str):
                 raise PromptError(f"{at} must be a string")
-            canonical[field] = value
-        out.append(canonical)
-    return out
+        elif field == "content":
+            value = _content(role, value, at)
+        elif field == "tool_calls":
+            value = _tool_calls(value, at)
+        elif field == "function_call":
+            if not isinstance(value, Mapping) or not isinstance(value.get("name"), str) \
+                    or not isinstance(value.get("arguments"), str):
+                raise PromptError(f"{at} must be an object with string `name` and `arguments`")
+            value = {"name": value["name"], "arguments": value["arguments"]}
+        elif field == "reasoning_content":
+            if not (isinstance(value, str) or (isinstance(value, list)
+                                               and all(isinstance(s, str) for s in value))):
+                raise PromptError(f"{at} must be a string or an array of strings")
+            value = list(value) if isinstance(value, list) else value
+        elif field == "tools":  # a system message's own tools: only an empty list renders here
+            if not isinstance(value, list):
+                raise PromptError(f"{at} must be an array")
+            if value:
+                raise PromptError(f"{at}: tools on a system message are not supported by this "
+                                  f"chat template")
+            value = []
+        elif field == "partial":
+            if not isinstance(value, bool):
+                raise PromptError(f"{at} must be a boolean")
+            if value:
+                raise PromptError(f"{at}: a partial assistant message is not supported by this "
+                                  f"chat template")
+        elif field == "audio":
+            if not isinstance(value, Mapping) or not isinstance(value.get("id"), str):
+                raise PromptError(f"{at} must be an object with a string `id`")
+            value = {"id": value["id"]}
+        elif not isinstance(value, str):
+            raise PromptError(f"{at} must be a string")
+        canonical[field] = value
+    return canonical
 
 
 def canonical_tools(tools: Any) -> list[dict] | None:
@@ -327,6 +330,17 @@ def _thinking_args(body: Mapping[str, Any], args: dict[str, Any]) -> None:
                     thinking_mode="enabled" if enabled else "disabled")
 
 
+@dataclass(frozen=True)
+class ChatHead:
+    """What a chat's prompt depends on besides its messages (`PromptTokenizer.chat_head`)."""
+
+    tools: list[dict] | None  # canonical, or None (none, or dropped for tool_choice none)
+    args: dict[str, Any]  # the template arguments
+    add_generation_prompt: bool
+    continue_final: bool  # continue_final_message: the last message marked, the render cut there
+    template: Any  # chat_template._Template: which template, and how messages are prepared for it
+
+
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
@@ -387,6 +401,14 @@ def _trie_pattern(words: list[str]) -> str:
     return pattern(trie)
 
 
+def _nested_tokens(added: Mapping[str, int]) -> bool:
+    """Whether an added token contains another (its match may start before or run past the other)."""
+    tokens = sorted(added, key=len)
+    if len(tokens) > 4096:  # not checked (quadratic): treated as nested, so never spliced
+        return True
+    return any(short in long for i, short in enumerate(tokens) for long in tokens[i + 1:])
+
+
 def _join(pieces: list[str], known: Mapping[str, Sequence[int]], added: Mapping[str, int]) -> list[int]:
     """The ids of ``pieces`` (text, added token, text, ..., text, as ``re.split`` gives them)."""
     ids: list[int] = []
@@ -396,6 +418,44 @@ def _join(pieces: list[str], known: Mapping[str, Sequence[int]], added: Mapping[
         elif piece:
             ids.extend(known[piece])
     return ids
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A prompt's text and ids (`PromptTokenizer.encode_marked`): ``marks`` are (start, end in
+    ``text``, ids before it) of each added token, in order; ``reused``, how many leading ids came
+    from an earlier encoding."""
+
+    text: str
+    ids: array  # array("I"): 4 bytes an id (a list of 100K ints costs ~1 ms to copy, ~5 to make)
+    marks: list[tuple[int, int, int]]
+    reused: int
+
+
+def _shared_mark(text: str, base: Encoded) -> int | None:
+    """The last of ``base``'s marks whose added token ``text`` has at the same place with the
+    same text before it (both texts equal up to the token's end); None if none is. The usual
+    case, a conversation grown at its end, is the last mark and one comparison; else a binary
+    search (equal up to a mark implies equal up to every earlier one)."""
+    marks, old = base.marks, base.text
+
+    def same(k: int) -> bool:
+        stop = marks[k][1]
+        return len(text) >= stop and text.startswith(old[:stop])
+
+    last = len(marks) - 1
+    if last < 0:
+        return None
+    if same(last):
+        return last
+    low, high = -1, last  # same(low) holds (or low is -1), same(high) does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if same(middle):
+            low = middle
+        else:
+            high = middle
+    return low if low >= 0 else None
 
 
 class PromptTokenizer:
@@ -434,6 +494,8 @@ class PromptTokenizer:
             self._split = None
         # Whether `encode` works piece by piece (else it encodes whole texts, uncached).
         self.piecewise = self._split is not None
+        # Whether an encoding may reuse another's ids up to a shared added token (`encode_marked`).
+        self.splices = self.piecewise and not _nested_tokens(self._split[1])  # type: ignore[index]
         # Pieces hold no added token, so an encoder without them sees the same text the tokenizer does.
         self.fast_encoder = fast_encoder if self.piecewise and self._encodes_alike(fast_encoder) else None
         self.encoder = "fastokens" if self.fast_encoder is not None else "tokenizers"
@@ -488,17 +550,17 @@ class PromptTokenizer:
 
     # -- per request -----------------------------------------------------------------------------
 
-    def render(self, body: Mapping[str, Any]) -> str:
-        """The chat prompt the frontend renders for a ``/v1/chat/completions`` body. prompt.rs
-        (``OAIChatLikeRequest``): ``add_generation_prompt`` is the request's field (default true,
-        whatever the last role); ``continue_final_message`` marks the last message and cuts the
-        rendering there. chat_completions.rs: ``chat_template_kwargs`` is an alias of
-        ``chat_template_args``; ``thinking`` and ``reasoning_effort`` become template arguments."""
+    def chat_head(self, body: Mapping[str, Any]) -> ChatHead:
+        """Everything of a ``/v1/chat/completions`` body the prompt depends on but its messages,
+        validated as the frontend does. prompt.rs (``OAIChatLikeRequest``): ``add_generation_prompt``
+        is the request's field (default true, whatever the last role); ``continue_final_message``
+        marks the last message and cuts the rendering there. chat_completions.rs:
+        ``chat_template_kwargs`` is an alias of ``chat_template_args``; ``thinking`` and
+        ``reasoning_effort`` become template arguments."""
         if not isinstance(body, Mapping):
             raise PromptError("the request body must be a JSON object")
         if "messages" not in body:
             raise PromptError("missing field `messages`")
-        messages = canonical_messages(body["messages"])
         tools = canonical_tools(body.get("tools"))
         tool_choice = body.get("tool_choice")
         if tool_choice == "required" and not tools:
@@ -520,14 +582,25 @@ class PromptTokenizer:
             raise PromptError("`add_generation_prompt` must be a boolean")
         if continue_final and add_generation_prompt is not False:
             raise PromptError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        if continue_final:
-            _append_continue_tag(messages)
-
         if self.exclude_tools_when_tool_choice_none and tool_choice == "none":
             tools = None
-        rendered = self.chat_template.render(messages, tools, args,
-                                             not continue_final and add_generation_prompt is not False)
-        return _cut_at_continue_tag(rendered) if continue_final else rendered
+        return ChatHead(tools, args, not continue_final and add_generation_prompt is not False,
+                        continue_final, self.chat_template.template_for(tools))
+
+    def render(self, body: Mapping[str, Any]) -> str:
+        """The chat prompt the frontend renders for a ``/v1/chat/completions`` body (`chat_head`,
+        then the messages, `canonical_messages`)."""
+        head = self.chat_head(body)
+        messages = canonical_messages(body["messages"])
+        if head.continue_final:
+            _append_continue_tag(messages)
+        return self.render_prepared(head, self.chat_template.prepare(messages, head.template))
+
+    def render_prepared(self, head: ChatHead, prepared: list[Any]) -> str:
+        """The prompt for a chat's head and its `ChatTemplate.prepare`'d messages."""
+        rendered = self.chat_template.render_prepared(head.template, prepared, head.tools, head.args,
+                                                      head.add_generation_prompt)
+        return _cut_at_continue_tag(rendered) if head.continue_final else rendered
 
     # -- encoding ------------------------------------------------------------------------------
 
@@ -543,6 +616,39 @@ class PromptTokenizer:
         pattern, added = self._split
         pieces = pattern.split(text)  # text, added token, text, ..., text
         return _join(pieces, self._piece_ids(pieces[0::2]), added)
+
+    def encode_marked(self, text: str, base: Encoded | None = None) -> Encoded:
+        """`encode`'s ids as an array, with where each added token starts (`Encoded`), reusing
+        ``base`` (an earlier prompt's encoding) up to the last added token that both texts have
+        at the same place with the same text before it: only the text from it on is split and
+        encoded. Exact: the ids of the text before an added token do not depend on what follows
+        it (pieces between added tokens encode alone, `_added_token_split`), and the split
+        before it is the same in both texts, unless an added token contains another (a longer
+        match could then start before the token or run past it), where ``base`` is not used
+        (`splices`). ``text`` has its NULs removed already."""
+        if self._split is None:
+            return Encoded(text, array("I", self._encode_batch([text])[0]), [], 0)
+        pattern, added = self._split
+        start, ids = 0, array("I")
+        marks: list[tuple[int, int, int]] = []
+        mark = _shared_mark(text, base) if base is not None and self.splices else None
+        if mark is not None:
+            start, _, before = base.marks[mark]  # type: ignore[union-attr]
+            ids = base.ids[:before]  # type: ignore[union-attr]
+            marks = base.marks[:mark]  # type: ignore[union-attr]
+        reused = len(ids)
+        pieces = pattern.split(text[start:] if start else text)
+        known = self._piece_ids(pieces[0::2])
+        position = start
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                marks.append((position, position + len(piece), len(ids)))
+                ids.append(added[piece])
+            elif piece:
+                piece_ids = known[piece]
+                ids.extend(piece_ids if isinstance(piece_ids, array) else array("I", piece_ids))
+            position += len(piece)
+        return Encoded(text, ids, marks, reused)
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         """``tokenizer.encode(text, add_special_tokens=False).ids`` of each text (``encode_batch_fast``,

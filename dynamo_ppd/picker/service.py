@@ -53,7 +53,8 @@ async def serve(configs: tuple[RoutingConfig, PickerConfig]) -> None:
     picker = Picker(routing, tokenizer, frontends, send_token_ids=picker_config.send_token_ids,
                     observe_share=picker_config.observe_share, session_headers=picker_config.session_headers,
                     budget=TokenizeBudget(picker_config.deadline_ms / 1e3),
-                    served_models=[config.served_model_name] if config.served_model_name else None)
+                    served_models=[config.served_model_name] if config.served_model_name else None,
+                    prompt_memo_mb=picker_config.prompt_memo_mb)
     if routing.kv_sync is not None and not await routing.kv_sync.settled():
         log.warning("the workers' residency was not rebuilt within 10 s of start; serving anyway "
                     "(follow-ups go through prefill until their decode workers' KV events arrive)")

@@ -92,6 +92,12 @@ class RoutingMetrics:
             "ppd_requests_unplaced", "Requests the endpoint picker sent to the frontend unrouted (Dynamo's "
             "own routing placed them): an API it does not read, or a prompt it does not mirror",
             ["reason"], registry=self.registry)
+        self.prompt_memo = Counter(
+            "ppd_prompt_memo", "Requests the endpoint picker tokenized, by what an earlier request's "
+            "work saved: session (its session's last request), shared_head (a request with the same "
+            "head, e.g. a system prompt and tools), none (nothing kept), head_changed (bytes differ "
+            "before the first message), tail_unparsed, other_api (completions)", ["outcome"],
+            registry=self.registry)
         # What the policy learned from outcomes (`Routing.observe_outcome`): follow-ups whose TTFT
         # and TPOT it observed, and how far its prediction was off, by route and calibration bucket.
         self.outcomes = Counter("ppd_outcomes_observed",

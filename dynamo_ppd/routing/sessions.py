@@ -42,7 +42,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -108,7 +108,7 @@ def check_session_id(session_id: str | None) -> None:
                               f"the limit is {MAX_SESSION_ID_BYTES}")
 
 
-def tail_digest(anchor: int | None, tail: list[int]) -> int:
+def tail_digest(anchor: int | None, tail: Sequence[int]) -> int:
     """Hash of a history's tokens after its last full block, chained to that block's prefix id
     (a tuple of ints: the same in every process, unlike a hash of bytes, which is salted)."""
     return hash((anchor or ROOT, len(tail), tuple(tail)))
@@ -169,7 +169,7 @@ class SessionTable:
             self._unindex(old)
         return old
 
-    def continues(self, record: SessionRecord, chain: list[int], tokens: list[int]) -> bool:
+    def continues(self, record: SessionRecord, chain: list[int], tokens: Sequence[int]) -> bool:
         """Whether the prompt (its tokens and their full blocks' prefix ids) continues the record's
         whole history. A record with no history yet (a claimed first turn) is continued by any."""
         if record.context_tokens == 0:
@@ -185,7 +185,7 @@ class SessionTable:
         start = full * self.block_size
         return tail_digest(anchor, tokens[start:start + tail]) == record.history_digest
 
-    def find_by_prefix(self, chain: list[int], tokens: list[int],
+    def find_by_prefix(self, chain: list[int], tokens: Sequence[int],
                        accept: Callable[[str], bool] | None = None) -> SessionRecord | None:
         """The session (among those ``accept`` allows; default: those without a header) whose
         whole history is the longest prefix of the prompt."""
@@ -336,7 +336,7 @@ class EtcdSessions:
     def get(self, session_id: str) -> SessionRecord | None:
         return self.table.get(session_id)
 
-    def find_by_prefix(self, chain: list[int], tokens: list[int],
+    def find_by_prefix(self, chain: list[int], tokens: Sequence[int],
                        accept: Callable[[str], bool] | None = None) -> SessionRecord | None:
         return self.table.find_by_prefix(chain, tokens, accept)
 

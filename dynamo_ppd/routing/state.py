@@ -205,16 +205,25 @@ class Routing:
             await self._nats.close()
 
     # -- a turn's plan ---------------------------------------------------------------------------
-    async def plan_turn(self, request: dict, tokens: list[int], forced: str | None = None,
-                        lap: Callable[[str], None] | None = None) -> Turn:
+    async def plan_turn(self, request: dict, tokens: Sequence[int], forced: str | None = None,
+                        lap: Callable[[str], None] | None = None,
+                        known_hashes: tuple[list[int], list[int]] | None = None) -> Turn:
         """Decide the route and workers; ``forced``: a table-building client's route. The I/O
         around `planner.plan`: hash the prompt, find its session (etcd), read the residency index
         and the loads into the planner's views; then count, log and claim what the plan says.
         ``lap``: told "hashes" once the prompt is hashed (the picker's stage clock)."""
         started = time.perf_counter()
         cfg = self.config
-        local_hashes = self._hash(tokens, cfg.block_size)
-        residency_chain = prefix_chain(local_hashes)
+        if known_hashes is not None and known_hashes[0]:
+            # The first blocks' hashes are known (the picker's prompt memo: the same ids as an
+            # earlier prompt's): only the blocks after them are hashed.
+            known_local, known_chain = known_hashes
+            rest = self._hash(tokens[len(known_local) * cfg.block_size:], cfg.block_size)
+            local_hashes = known_local + rest
+            residency_chain = known_chain + prefix_chain(rest, known_chain[-1])
+        else:
+            local_hashes = self._hash(tokens, cfg.block_size)
+            residency_chain = prefix_chain(local_hashes)
         if lap is not None:
             lap("hashes")
         header_id = (request.get("agent_context") or {}).get("session_id")
@@ -384,7 +393,7 @@ class Routing:
         when the gateway reports a 5xx for a turn it pinned there."""
         self._unreachable[worker] = time.monotonic()
 
-    async def _find_session(self, header_id: str | None, tokens: list[int], chain: list[int]
+    async def _find_session(self, header_id: str | None, tokens: Sequence[int], chain: list[int]
                             ) -> tuple[SessionRecord | None, str, int]:
         """The turn's session: (its record, None for a new one; its id; the turn's number).
 
