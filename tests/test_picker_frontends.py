@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -115,8 +116,9 @@ class _Routing:
         self.limits = RequestLimits(context_window=100)
         self.planned = 0
         self.decode_chosen_downstream = False
+        self.config = SimpleNamespace(block_size=16)
 
-    async def plan_turn(self, request, tokens, forced=None, lap=None):
+    async def plan_turn(self, request, tokens, forced=None, lap=None, known_hashes=None):
         self.planned += 1
         raise AssertionError("a request with no frontend to go to must not be planned")
 
@@ -128,7 +130,7 @@ class _Tokens:
 
 def test_with_no_frontend_known_the_picker_refuses_with_503_and_plans_nothing():
     routing = _Routing()
-    picker = Picker(routing, _Tokens(), Frontends(["pool:8000"], resolve=FakeDns({})))  # type: ignore[arg-type]
+    picker = Picker(routing, _Tokens(), Frontends(["pool:8000"], resolve=FakeDns({})), prompt_memo_mb=0)  # type: ignore[arg-type]
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
     with pytest.raises(Refusal) as refused:
         asyncio.run(picker.pick({"x-dynamo-session-id": "s1"}, body, "/v1/chat/completions"))
@@ -138,7 +140,7 @@ def test_with_no_frontend_known_the_picker_refuses_with_503_and_plans_nothing():
               if s.name.endswith("_total")}
     assert errors == {"no_frontends": 1.0}
     # A gateway that allows endpoints: the picker names one of them, even with no name resolved.
-    picker = Picker(routing, _Tokens(), Frontends(["10.0.0.1:8000"]))  # type: ignore[arg-type]
+    picker = Picker(routing, _Tokens(), Frontends(["10.0.0.1:8000"]), prompt_memo_mb=0)  # type: ignore[arg-type]
     with pytest.raises(Refusal) as refused:
         asyncio.run(picker.pick({}, body, "/v1/chat/completions", subset=[]))
     assert refused.value.status == 503 and "gateway allowed no endpoint" in str(refused.value)
