@@ -443,19 +443,25 @@ def _shared_mark(text: str, base: Encoded) -> int | None:
         stop = marks[k][1]
         return len(text) >= stop and text.startswith(old[:stop])
 
-    last = len(marks) - 1
-    if last < 0:
-        return None
-    if same(last):
+    last = last_holding(len(marks), same)
+    return last if last >= 0 else None
+
+
+def last_holding(count: int, holds: Callable[[int], bool]) -> int:
+    """The last k < ``count`` for which ``holds(k)``, where it holds for every k up to some point
+    and for none after (-1: for none). The last first (a conversation grown at its end), else a
+    binary search."""
+    last = count - 1
+    if last < 0 or holds(last):
         return last
-    low, high = -1, last  # same(low) holds (or low is -1), same(high) does not
+    low, high = -1, last  # holds(low) (or low is -1), not holds(high)
     while high - low > 1:
         middle = (low + high) // 2
-        if same(middle):
+        if holds(middle):
             low = middle
         else:
             high = middle
-    return low if low >= 0 else None
+    return low
 
 
 class PromptTokenizer:

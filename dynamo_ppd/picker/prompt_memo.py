@@ -54,6 +54,7 @@ from .prompt import (
     _append_continue_tag,
     canonical_message,
     canonical_messages,
+    last_holding,
 )
 
 # The array each API's conversation grows in.
@@ -220,17 +221,7 @@ class PromptMemos:
         def same(k: int) -> bool:
             return body.startswith(old[:cuts[k]])
 
-        last = len(cuts) - 1
-        if same(last):
-            return last
-        low, high = -1, last
-        while high - low > 1:
-            middle = (low + high) // 2
-            if same(middle):
-                low = middle
-            else:
-                high = middle
-        return low
+        return last_holding(len(cuts), same)
 
     @staticmethod
     def _tail(body: bytes, memo: Memo, shared: int) -> dict | None:
