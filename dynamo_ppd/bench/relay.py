@@ -33,10 +33,12 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,7 +233,7 @@ def _graph(system: str, workdir: Path, workers: str = "simulated") -> str:
 
 
 def _up(system: str, replicas: int, workdir: Path, tag: str, worker_speedup: float = 1.0,
-        workers: str = "simulated"):
+        workers: str = "simulated", picker_args: Sequence[str] = ()):
     """``worker_speedup`` > 1: simulated workers faster than real time (their --speedup), so tokens
     arrive faster than one relay process forwards them one by one: the relay is the bottleneck,
     as on GPUs, instead of the workers sharing its cores. ``workers="mocker"``: Dynamo's mocker
@@ -247,6 +249,8 @@ def _up(system: str, replicas: int, workdir: Path, tag: str, worker_speedup: flo
                 ("prefill", "decode", "picker") if system == "picker" else ("prefill", "decode"))
         args = {c: ["--speedup", f"{worker_speedup:g}"] for c in sped} if worker_speedup != 1 else {}
     own = {"ppd-lean": LEAN_ROUTER_ARGS, "relay-pd": RELAY_PD_ARGS}.get(system)
+    if system == "picker" and picker_args:
+        args["picker"] = [*args.get("picker", []), *picker_args]
     if own:
         args["router"] = [*args.get("router", []), *own]
     return start(ServeOptions(graph=_graph(system, workdir, workers), http_port=free_port(),
@@ -262,9 +266,10 @@ def _warm_up(dep) -> None:
 
 
 def measure_load(system: str, replicas: int, rate: float, duration_s: float, workdir: Path, tag: str,
-                 seed: int = 0, worker_speedup: float = 1.0, workers: str = "simulated") -> Run:
+                 seed: int = 0, worker_speedup: float = 1.0, workers: str = "simulated",
+                 picker_args: Sequence[str] = ()) -> Run:
     manifest = syn_a_manifest(rate, duration_s, seed)
-    dep = _up(system, replicas, workdir, tag, worker_speedup, workers)
+    dep = _up(system, replicas, workdir, tag, worker_speedup, workers, picker_args)
     try:
         _warm_up(dep)
         idle_before = _cpu_by_label(dep)
@@ -339,10 +344,11 @@ class TtftSetup:
 WARM_UP_CONVERSATIONS = 3
 
 
-def measure_ttft(system: str, setup: TtftSetup, workdir: Path, tag: str) -> tuple[list[float], list[float]]:
+def measure_ttft(system: str, setup: TtftSetup, workdir: Path, tag: str,
+                 picker_args: Sequence[str] = ()) -> tuple[list[float], list[float]]:
     """TTFT (ms) of turn 1 and turn 2 of each conversation (`TtftSetup`), in conversation order;
     every system gets the same prompts (one seed), so conversation i is the same on each."""
-    dep = _up(system, 1, workdir, tag, worker_speedup=setup.worker_speedup)
+    dep = _up(system, 1, workdir, tag, worker_speedup=setup.worker_speedup, picker_args=picker_args)
     rng = random.Random(0)
     words = [f"w{n}" for n in range(2000)]
     total = setup.conversations + WARM_UP_CONVERSATIONS
@@ -597,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="TTFT test conversations in flight at a time (1: one after another)")
     parser.add_argument("--no-load", action="store_true",
                         help="skip the CPU-per-token runs (--rate, --duration, --repeats): TTFT only")
+    parser.add_argument("--picker-args", default="",
+                        help="more arguments for the picker of system picker, one string (e.g. "
+                        "'--no-token-ids': the frontend tokenizes every prompt itself)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the tables to this file")
     args = parser.parse_args(argv)
@@ -615,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be >= 1, --duration and --worker-speedup > 0")
     if args.ttft_first_words < 1 or args.ttft_concurrency < 1:
         parser.error("--ttft-first-words and --ttft-concurrency must be >= 1")
+    picker_args = shlex.split(args.picker_args)
     setup = TtftSetup(args.ttft_conversations, args.ttft_first_words, args.ttft_concurrency,
                       args.worker_speedup)
     runs: list[Run] = []
@@ -631,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
                         tag = f"{replicas}-{rate:g}-{repeat}"
                         sys.stderr.write(f"{system} x{replicas} @ {rate:g} conv/s, run {repeat + 1} ...\n")
                         run = measure_load(system, replicas, rate, args.duration, work, tag,
-                                           worker_speedup=args.worker_speedup, workers=args.workers)
+                                           worker_speedup=args.worker_speedup, workers=args.workers,
+                                           picker_args=picker_args)
                         run.round = repeat
                         sys.stderr.write(f"  {run.tokens:,} tokens, {run.failed} failed; relay "
                                          f"{run.relay_us_per_token() or 0:.0f} us/token "
@@ -640,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ttft_conversations:
             for system in systems:
                 sys.stderr.write(f"{system}: TTFT at low load ...\n")
-                ttft[system] = measure_ttft(system, setup, work, "ttft")
+                ttft[system] = measure_ttft(system, setup, work, "ttft", picker_args)
     table = render(runs, ttft, setup)
     print(table)
     load = os.getloadavg()
