@@ -50,6 +50,7 @@ class Session:
         self.items: list[dict] = []
         self.calls = 0
         self.ascii = rng.random() < 0.5  # how this client writes JSON
+        self.tools_first = rng.random() < 0.5  # Claude Code's order (tools, system, messages), or last
         self._user()
 
     def _user(self) -> None:
@@ -113,12 +114,14 @@ class Session:
         if self.api == MESSAGES_PATH:
             system = f"x-anthropic-billing-header: cc_version=2.0; cch={billing}\n{self.system}" \
                 if billing else self.system
-            body: dict = {"model": "m", "max_tokens": 64, "stream": True, "system": system,
-                          "messages": self.items}
-            if self.tools:
-                body["tools"] = [{"name": "read", "description": "read a file",
-                                  "input_schema": {"type": "object",
-                                                   "properties": {"path": {"type": "string"}}}}]
+            tools = [{"name": "read", "description": "read a file",
+                      "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+            body: dict = {"model": "m", "max_tokens": 64, "stream": True}
+            if self.tools and self.tools_first:
+                body["tools"] = tools
+            body.update(system=system, messages=self.items)
+            if self.tools and not self.tools_first:
+                body["tools"] = tools
             if rng.random() < 0.2:
                 body["thinking"] = {"type": "enabled", "budget_tokens": 1024}
         elif self.api == RESPONSES_PATH:

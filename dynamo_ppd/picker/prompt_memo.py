@@ -38,7 +38,7 @@ import sys
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -46,6 +46,7 @@ import msgspec
 from ..apis import CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH, normalized_path
 from . import messages as anthropic_messages
 from . import responses as openai_responses
+from .chat_template import _for_template
 from .prompt import (
     ChatHead,
     Encoded,
@@ -80,6 +81,10 @@ class Memo:
     encoded: Encoded | None
     ids_json: list[tuple[int, bytes]] = field(default_factory=list)  # (ids up to, their JSON, no brackets)
     hashes: tuple[list[int], list[int]] | None = None  # the prompt's full blocks: local hashes, prefix ids
+    # The chat's head (`PromptTokenizer.chat_head`, tools wrapped for the template), the prepared
+    # messages of its system, and how many chat messages that system made: kept for a request
+    # whose fields other than the array are these (`_same_head`).
+    head: tuple[ChatHead, list[Any], int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +106,7 @@ class Parsed:
     memo: Memo | None  # the earlier request this one continues
     shared: int  # how many of the memo's array elements this body starts with
     outcome: str  # ppd_prompt_memo_total's outcome
+    head: tuple[ChatHead, list[Any], int] | None = None  # its chat's head (`Memo.head`), once prepared
 
     @property
     def new_bytes(self) -> int:
@@ -146,6 +152,37 @@ def _cuts_in(document: bytes, key: str, count: int) -> list[int] | None:
             return None
         cuts.append(start + len(piece))
     return cuts
+
+
+HEAD_KEY_BYTES = 2048
+
+
+def _head_key(body: bytes, length: int) -> tuple[int, bytes, bytes]:
+    """The key of a request head (``body[:length]``) among the kept ones: its length and its first
+    and last bytes, not the whole (a 20K-token system prompt and tools are ~150 KB, ~25 us to
+    hash). Heads that differ only in the middle share a key, and the one kept is compared byte
+    for byte before use (`PromptMemos._find`)."""
+    return length, body[:min(length, HEAD_KEY_BYTES)], body[max(0, length - HEAD_KEY_BYTES):length]
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _same_head(request: dict, old: dict) -> bool:
+    """Whether ``request``'s fields other than ``messages`` are ``old``'s, so that its chat head
+    is: each the same object (a value before the array, kept from the memo's parse, `_tail`), or
+    an equal scalar of the same type (a value after it, parsed anew). A container parsed anew
+    (tools after the messages) is not compared: its head is made again."""
+    if request.keys() != old.keys():
+        return False
+    for k, value in request.items():
+        if k == "messages":
+            continue
+        was = old[k]
+        if value is not was and not (type(value) is type(was) and isinstance(value, _SCALARS)
+                                     and value == was):
+            return False
+    return True
 
 
 def _tail_document(body: bytes, cut: int, first: bool) -> tuple[bytes, int]:
@@ -207,7 +244,7 @@ class PromptMemos:
             return memo, "session"
         for length in list(self._head_lengths):
             if len(body) > length:
-                memo = self._get(("head", endpoint, hash(body[:length])))
+                memo = self._get(("head", endpoint, _head_key(body, length)))
                 if memo is not None and body.startswith(memoryview(memo.body)[:length]):
                     return memo, "shared_head"
         return None, "none"
@@ -310,11 +347,19 @@ class PromptMemos:
             if head.continue_final:
                 _append_continue_tag(messages)
             return None, tok.chat_template.prepare(messages, head.template), [], [], head
-        if endpoint == MESSAGES_PATH:
-            chat, system = anthropic_messages.chat_head(request, tok.strip_anthropic_preamble)
+        kept = memo.head if memo is not None and memo.endpoint == endpoint else None
+        if kept is not None and memo is not None and _same_head(request, memo.request):
+            head, head_prepared, system_count = kept
         else:
-            chat, system = request, []
-        head = tok.chat_head(chat)
+            if endpoint == MESSAGES_PATH:
+                chat, system = anthropic_messages.chat_head(request, tok.strip_anthropic_preamble)
+            else:
+                chat, system = request, []
+            head = tok.chat_head(chat)
+            head = replace(head, tools=_for_template(head.tools)) if head.tools else head
+            head_prepared = tok.chat_template.prepare(
+                [canonical_message(k, m) for k, m in enumerate(system)], head.template) if system else []
+            system_count = len(system)
         elements = request.get("messages")
         if not isinstance(elements, list):
             raise PromptError("`messages` must be an array of messages" if endpoint == CHAT_PATH
@@ -328,9 +373,8 @@ class PromptMemos:
         shared = parsed.shared if reuse else 0
         prepared = memo.prepared[:memo.counts[shared]] if reuse and memo is not None else []
         counts = memo.counts[:shared + 1] if reuse and memo is not None else [0]
-        chat_index = len(system) + len(prepared)
-        head_prepared = tok.chat_template.prepare([canonical_message(k, m) for k, m in enumerate(system)],
-                                                  template) if system else []
+        chat_index = system_count + len(prepared)
+        parsed.head = (head, head_prepared, system_count)
         fresh: list[dict] = []
         for i in range(shared, len(elements)):
             made: list[dict] = []
@@ -361,17 +405,18 @@ class PromptMemos:
             keys = list(request)
             head_keys = tuple(keys[:keys.index(key)])
             elements = len(request[key])
-            if memo is not None and parsed.shared > 0:
-                # The shared elements' cuts hold (same bytes); the rest are found in the new bytes.
+            if memo is not None:
+                # The shared elements' cuts hold (same bytes); the rest are found in the new bytes
+                # (a shared head's alone: the bytes after it, not the whole body).
                 cut = memo.cuts[parsed.shared]
-                document, offset = _tail_document(parsed.body, cut, False)
+                document, offset = _tail_document(parsed.body, cut, parsed.shared == 0)
                 found = _cuts_in(document, _TAIL_KEY, elements - parsed.shared + 1)
                 cuts = [*memo.cuts[:parsed.shared + 1], *(c - offset + cut for c in found[2:])] \
                     if found is not None else []
             else:
                 cuts = _cuts_in(parsed.body, key, elements) or []
         return Memo(endpoint, parsed.body, cuts, head_keys, request, template, prepared,
-                    counts, encoded)
+                    counts, encoded, head=parsed.head)
 
     # -- keeping ---------------------------------------------------------------------------------
 
@@ -386,7 +431,7 @@ class PromptMemos:
         if self._tail(memo.body, memo, len(memo.cuts) - 1) != memo.request:
             return  # the cuts are not where the parse says (never seen; a memo must be exact)
         memo.hashes = hashes
-        head = ("head", memo.endpoint, hash(memo.body[:memo.cuts[0]]))
+        head = ("head", memo.endpoint, _head_key(memo.body, memo.cuts[0]))
         with self._lock:
             if parsed.key is not None:
                 self._put(("session", memo.endpoint, parsed.key), memo)
