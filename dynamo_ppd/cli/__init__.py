@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..argtypes import cli_error, replica_counts, up_down
+from ..argtypes import cli_error, positive_float, replica_counts, up_down
 
 
 def _port(text: str) -> int:
@@ -65,6 +65,12 @@ def _add_serve(sub) -> None:
                    help="engine profile (a bundled name or a YAML path, e.g. one `dynamo-ppd engine "
                    "profile` wrote) for every simulated worker and the PPD picker or router; default: "
                    "each component's own (h100-llama3.1-8b)")
+    p.add_argument("--router-profile", metavar="PROFILE",
+                   help="the engine profile the PPD picker or router decides with, where it differs "
+                   "from the workers' (--profile): what PPD believes of a fleet it was not profiled on")
+    p.add_argument("--router-link-bandwidth", type=positive_float, metavar="GB/S",
+                   help="the KV link bandwidth the PPD picker or router believes, in GB/s, where it "
+                   "differs from the workers' (their profile's link)")
     p.add_argument("--dilation", type=float, default=1.0, metavar="N",
                    help="run the simulated workers, the PPD router and picker N times slower (their "
                    "--speedup 1/N), as `bench --dilation N` does, so a 2-core machine keeps up with a "
@@ -259,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args) -> int:
     from ..launch import ServeOptions, serve
-    from ..launch.graph import load_graph, ppd_components, speedup_args
+    from ..launch.graph import ROUTING_MODULES, load_graph, ppd_components, speedup_args
     from ..launch.planner import PlannerOptions
 
 
@@ -285,6 +291,19 @@ def _serve(args) -> int:
         graph, _ = load_graph(args.graph)
         for name in ppd_components(graph):
             extra[name] = [*extra.get(name, []), "--profile", profile]
+    belief = []
+    if args.router_profile:
+        from ..engine.profile import load_profile
+
+        load_profile(args.router_profile)
+        path = Path(args.router_profile)
+        belief += ["--profile", str(path.resolve()) if path.is_file() else args.router_profile]
+    if args.router_link_bandwidth:
+        belief += ["--link-bandwidth-gbps", f"{args.router_link_bandwidth:g}"]
+    if belief:
+        graph, _ = load_graph(args.graph)
+        for name in ppd_components(graph, ROUTING_MODULES):
+            extra[name] = [*extra.get(name, []), *belief]  # (after --profile: the last one counts)
     return serve(ServeOptions(
         graph=args.graph, http_port=args.http_port, nats_port=args.nats_port,
         etcd_port=args.etcd_port, nats_url=args.nats_url, etcd_url=args.etcd_url,

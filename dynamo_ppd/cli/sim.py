@@ -14,6 +14,7 @@ import msgspec
 
 from ..argtypes import cli_error, positive_float, positive_seconds
 from ..engine import DEFAULT_PROFILE, EngineProfile, ProfileError, load_profile
+from ..engine.profile import believed_link
 from ..policy.simulate import ppd_router
 from ..policy.table import TableError, Weights, load_table, parse_weights, shipped_table
 from ..sim.assignment import RoutingError
@@ -95,6 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-bandwidth", type=float, metavar="GB/S",
                         help="KV transfer bandwidth of each prefill worker's link in GB/s (1e9 "
                         "bytes/s); default: the profile's")
+    parser.add_argument("--router-profile", metavar="PROFILE",
+                        help="--router ppd: the engine profile PPD decides with (its belief), a bundled "
+                        "name or a YAML path; default: --profile, the workers' own (the truth)")
+    parser.add_argument("--router-link-bandwidth", metavar="GB/S|Nx",
+                        help="--router ppd: the KV link bandwidth PPD believes, in GB/s (e.g. 25) or as a "
+                        "factor of the workers' link (e.g. 4x, 0.25x); default: the workers' link "
+                        "(--link-bandwidth, else the profile's)")
     parser.add_argument("--timeout", type=positive_seconds, metavar="SECONDS",
                         help="a turn not answered within this many seconds of being sent fails and its "
                         "conversation sends no further turn (the paper's protocol: 120, the chat "
@@ -155,8 +163,25 @@ def _workload(args: argparse.Namespace) -> tuple[list[Conversation], float | Non
     return conversations, args.timeout, f"of {shape['turns']} turns"
 
 
+def believed_profile(args: argparse.Namespace, cluster: Cluster) -> EngineProfile:
+    """The profile PPD decides with: ``--router-profile`` (default the cluster's) with the link
+    ``--router-link-bandwidth`` says (default the cluster's own link)."""
+    router_profile = load_profile(args.router_profile) if args.router_profile else cluster.profile
+    link = believed_link(args.router_link_bandwidth, cluster.link)
+    return msgspec.structs.replace(router_profile, transfer=link)
+
+
+def _belief(args: argparse.Namespace, profile: EngineProfile, cluster: Cluster) -> str:
+    """How the header line names a belief that is not the truth ("" where it is)."""
+    if not (args.router_profile or args.router_link_bandwidth):
+        return ""
+    return (f" believing profile {profile.name} and a {profile.transfer.link_bandwidth_bytes_s / 1e9:g} "
+            f"GB/s link (the workers': {cluster.link.link_bandwidth_bytes_s / 1e9:g} GB/s)")
+
+
 def _router(args: argparse.Namespace, profile: EngineProfile) -> tuple[Router, str]:
-    """The router and how the header line names it (PPD: its weights and table)."""
+    """The router and how the header line names it (PPD: its weights and table); ``profile``:
+    the one PPD decides with (`believed_profile`)."""
     if args.router != "ppd":
         return make_router(args.router, args.local_fraction, args.seed), args.router
     p, d, r = parse_config(args.config)
@@ -179,7 +204,13 @@ def main(args: argparse.Namespace) -> int:
         if bandwidth is not None and bandwidth <= 0:
             raise ValueError("--link-bandwidth must be positive")
         cluster = Cluster.from_config(profile, args.config, link_bandwidth_bytes_s=bandwidth, seed=args.seed)
-        router, router_name = _router(args, profile)
+        if args.router != "ppd" and (args.router_profile or args.router_link_bandwidth):
+            raise ValueError("--router-profile and --router-link-bandwidth are PPD's beliefs: add "
+                             "--router ppd, or drop them")
+        belief = believed_profile(args, cluster)
+        router, router_name = _router(args, belief)
+        if args.router == "ppd":
+            router_name += _belief(args, belief, cluster)
         conversations, timeout_s, workload = _workload(args)
         result = simulate(cluster, conversations, router, timeout_s=timeout_s,
                           on_finish=getattr(router, "on_finish", None))

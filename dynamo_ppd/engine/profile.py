@@ -166,6 +166,24 @@ def link_preset(name: str) -> TransferConstants:
         raise ProfileError(f"no KV link preset {name!r}; choose one of {', '.join(LINK_PRESETS)}") from None
 
 
+def believed_link(text: str | None, truth: TransferConstants) -> TransferConstants:
+    """The KV link a router's predictions assume (``--router-link-bandwidth``), given the link the
+    workers have (``truth``): None or "" the truth; "4x" (or "0.25x") that many times its
+    bandwidth; a number, that many GB/s (1e9 bytes/s). The transfer's setup cost is the truth's.
+    ProfileError for anything else."""
+    if not text:
+        return truth
+    try:
+        value = float(text[:-1]) if text.endswith("x") else float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ProfileError(f"link bandwidth {text!r} is neither GB/s (e.g. 25) nor a factor of the "
+                           "workers' link (e.g. 4x, 0.25x)")
+    bandwidth = truth.link_bandwidth_bytes_s * value if text.endswith("x") else value * 1e9
+    return TransferConstants(link_bandwidth_bytes_s=bandwidth, transfer_setup_s=truth.transfer_setup_s)
+
+
 class StackCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Fixed costs of the serving stack around the engines, per request, applied by the
     simulated cluster. Zero for a stack whose costs are not modeled (the TensorRT-LLM profiles:

@@ -77,9 +77,12 @@ class Graph(msgspec.Struct, forbid_unknown_fields=True):
 PPD_MODULES = ("dynamo_ppd.worker", "dynamo_ppd.relay", "dynamo_ppd.router", "dynamo_ppd.picker")
 
 
-def ppd_components(graph: Graph) -> list[str]:
-    """The names of the graph's components that run one of `PPD_MODULES`."""
-    return [c.name for c in graph.components if any(a in PPD_MODULES for a in c.command)]
+ROUTING_MODULES = PPD_MODULES[1:]  # the shells around PPD's policy: their profile is its belief
+
+
+def ppd_components(graph: Graph, modules: tuple[str, ...] = PPD_MODULES) -> list[str]:
+    """The names of the graph's components that run one of ``modules``."""
+    return [c.name for c in graph.components if any(a in modules for a in c.command)]
 
 
 class GraphError(Exception):

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..argtypes import fraction, positive_int
+from ..argtypes import fraction, positive_float, positive_int
 from ..engine.profile import DEFAULT_PROFILE
 from ..policy.decision import Mode
 from .sessions import DEFAULT_MAX_SESSIONS
@@ -46,6 +46,7 @@ class RoutingConfig:
     load_reports: bool = True  # track the workers' forward-pass metrics (every engine iteration)
     residency_recovery: bool = True  # Dynamo's indexers that rebuild residency from the workers
     speedup: float = 1.0  # model seconds per wall second (the workers' --speedup; <1: dilated)
+    link_bandwidth_gbps: float | None = None  # the KV link PPD's predictions assume (None: the profile's)
 
 
 def _weights(text: str) -> tuple[float, float]:
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ppd mode: correct table decisions with live signals and observed outcomes")
     p.add_argument("--profile", default=DEFAULT_PROFILE,
                    help="engine profile for ppd predictions (name or YAML path)")
+    p.add_argument("--link-bandwidth-gbps", type=positive_float, metavar="GB/S",
+                   help="the prefill workers' KV link bandwidth ppd predictions assume, in GB/s (1e9 "
+                   "bytes/s); default: the --profile's")
     p.add_argument("--namespace", default="ppd",
                    help="Dynamo namespace the router serves the public model in")
     p.add_argument("--workers-namespace", default="workers",
@@ -165,4 +169,4 @@ def config_from(parser: argparse.ArgumentParser, a: argparse.Namespace) -> Routi
         min_resident_fraction=a.min_resident_fraction,
         etcd_url=a.etcd_url, nats_url=a.nats_url, metrics_port=a.metrics_port, metrics_host=a.metrics_host,
         kv_silent_after_s=a.kv_silent_after, speedup=a.speedup, load_reports=a.load_reports,
-        residency_recovery=a.residency_recovery)
+        residency_recovery=a.residency_recovery, link_bandwidth_gbps=a.link_bandwidth_gbps)

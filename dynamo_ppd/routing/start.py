@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import msgspec
+
 from .. import model as model_dir
-from ..engine.profile import load_profile
+from ..engine.profile import EngineProfile, believed_link, load_profile
 from ..policy.decision import Decision, Mode, Observed, Policy, PolicyConfig, ProfilePredictor
 from ..policy.qps import SlidingWindowRate
 from ..policy.table import load_table
@@ -43,9 +45,19 @@ class ModelClockRate(SlidingWindowRate):
         return super().rate(now * self.speedup)
 
 
+def believed_profile(config: RoutingConfig) -> EngineProfile:
+    """The profile the policy predicts with: ``--profile``, its link's bandwidth replaced by
+    ``--link-bandwidth-gbps`` where given (what the operator believes of the deployment)."""
+    profile = load_profile(config.profile)
+    if config.link_bandwidth_gbps is None:
+        return profile
+    return msgspec.structs.replace(profile, transfer=believed_link(str(config.link_bandwidth_gbps),
+                                                                  profile.transfer))
+
+
 def build_policy(config: RoutingConfig) -> Policy:
     """The router's policy; with ``--table PATH`` its table (``auto`` picks one per decision)."""
-    predictor = ProfilePredictor(load_profile(config.profile)) if config.mode is Mode.PPD else None
+    predictor = ProfilePredictor(believed_profile(config)) if config.mode is Mode.PPD else None
     table = load_table(config.table) if config.table not in ("auto", "none") else None
     policy = (Policy if config.speedup == 1.0 else ModelClockPolicy)(
         PolicyConfig(mode=config.mode, local_fraction=config.local_fraction, w_ttft=config.w_ttft,

@@ -140,6 +140,7 @@ class Cluster:
         if link_bandwidth_bytes_s is not None:  # 0 or less is refused by the link, not replaced
             bandwidth = link_bandwidth_bytes_s
         setup_s = constants.transfer_setup_s
+        self.link = TransferConstants(bandwidth, setup_s)  # what a transfer costs here (the truth)
         self.workers: dict[str, Worker] = {}
         index = itertools.count()
         for role, count in ((Role.PREFILL, num_prefill), (Role.DECODE, num_decode),

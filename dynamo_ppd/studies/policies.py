@@ -52,7 +52,14 @@ from typing import Any
 import msgspec
 
 from ..argtypes import cli_error, comma_choices, positive_floats, positive_int
-from ..engine.profile import DEFAULT_PROFILE, EngineProfile, ProfileError, link_preset, load_profile
+from ..engine.profile import (
+    DEFAULT_PROFILE,
+    EngineProfile,
+    ProfileError,
+    believed_link,
+    link_preset,
+    load_profile,
+)
 from ..experiment import plots
 from ..experiment.progress import Progress
 from ..paper.protocol import simulate_point
@@ -140,6 +147,10 @@ class CompareSpec(msgspec.Struct, frozen=True):
     rate: float  # conversations per second
     policy: str
     seed: int = 0
+    # PPD's belief (`router_for`): the profile it decides with ("": the cluster's) and the link
+    # bandwidth it assumes ("": the point's link; GB/s, or "4x" of the point's: `believed_link`).
+    router_profile: str = ""
+    router_link: str = ""
 
 
 def _conversations(workload: str, rate: float, seed: int) -> tuple[list[Conversation], float]:
@@ -166,10 +177,12 @@ def cluster_config_for(config: str, policy: str) -> str:
 
 
 def router_for(profile: EngineProfile, config: str, policy: str, seed: int,
-               link: str | None = None) -> tuple[str, Router]:
+               link: str | None = None, router_profile: str = "",
+               router_link: str = "") -> tuple[str, Router]:
     """(the simulator's worker counts, the router) that run ``policy`` on ``config``'s GPUs.
     ``link``: the KV link preset the cluster runs with; PPD's cost model is given it, as an
-    operator's profile describes the link of the deployment it routes (None: the profile's)."""
+    operator's profile describes the link of the deployment it routes (None: the profile's).
+    ``router_profile``, ``router_link``: what PPD believes instead (`CompareSpec`)."""
     cluster_config = cluster_config_for(config, policy)
     if policy == "x0":
         return cluster_config, pd_router
@@ -182,9 +195,10 @@ def router_for(profile: EngineProfile, config: str, policy: str, seed: int,
     if policy == "hybrid":
         return cluster_config, paper_proxy_router(parse_paper_config(hybrid_config(config)), seed)
     if policy.startswith("ppd@"):
-        if link is not None:
-            profile = msgspec.structs.replace(profile, transfer=link_preset(link))
-        return cluster_config, _ppd(profile, float(policy[4:]))
+        truth = link_preset(link) if link is not None else profile.transfer
+        believed = load_profile(router_profile) if router_profile else profile
+        believed = msgspec.structs.replace(believed, transfer=believed_link(router_link, truth))
+        return cluster_config, _ppd(believed, float(policy[4:]))
     if policy in _peers():
         return cluster_config, peers.make_peer_router(policy, seed, profile)
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(policy_names())}")
@@ -196,8 +210,10 @@ def simulation_key(spec: CompareSpec) -> tuple:
     and without a prefill worker no KV crosses a link). No router is built for it."""
     cluster_config = cluster_config_for(spec.config, spec.policy)
     has_prefill = parse_config(cluster_config)[0] > 0
+    ppd = spec.policy.startswith("ppd@")
     return (spec.profile, cluster_config, spec.link if has_prefill else None, spec.workload, spec.rate,
-            spec.config if spec.policy.startswith("ppd@") else None, spec.policy, spec.seed)
+            spec.config if ppd else None, spec.policy, spec.seed,
+            (spec.router_profile, spec.router_link) if ppd else None)
 
 
 def run_specs(specs: Sequence[CompareSpec], details: bool = False) -> list[PolicyPoint]:
@@ -222,7 +238,8 @@ def run_specs(specs: Sequence[CompareSpec], details: bool = False) -> list[Polic
 
     def factory(name: str, spec: CompareSpec) -> Callable[[], Router]:
         def make() -> Router:
-            made[name] = router_for(profile, spec.config, spec.policy, spec.seed, spec.link)[1]
+            made[name] = router_for(profile, spec.config, spec.policy, spec.seed, spec.link,
+                                    spec.router_profile, spec.router_link)[1]
             return made[name]
         return make
 
@@ -287,6 +304,8 @@ class CompareReport(msgspec.Struct, frozen=True):
     done_when: list[DoneWhen] = []
     worst: dict[str, list[WorstPoint]] = {}
     seed_spread: list[SeedSpread] = []
+    router_profile: str = ""  # PPD's belief, as `CompareSpec`'s ("": the truth)
+    router_link: str = ""
 
 
 def compare(points: Sequence[PolicyPoint], links: Sequence[str], weights: Sequence[float],
@@ -468,6 +487,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="seeds of arrivals, prompts, tokens and draws: every policy runs every point on "
                       "each, and points are scored on figures pooled over them (default: 0)")
     seed.add_argument("--seed", type=int, default=0, help="one seed: --seeds SEED")
+    parser.add_argument("--router-profile", metavar="PROFILE",
+                        help="the engine profile PPD decides with (its belief), a bundled name or a YAML "
+                        "path; default: --profile, the simulated workers' own (the truth)")
+    parser.add_argument("--router-link-bandwidth", metavar="GB/S|Nx",
+                        help="the KV link bandwidth PPD believes: GB/s, or a factor of each point's link "
+                        "(e.g. 4x: believed 4 times faster than it is; 0.25x: slower); default: the "
+                        "point's own link")
     parser.add_argument("--jobs", type=positive_int, default=2, help="parallel processes")
     parser.add_argument("--reuse", type=Path, metavar="JSON",
                         help="a previous report whose points are kept: only the (point, policy, seed) "
@@ -515,7 +541,7 @@ def _run(pool: ProcessPoolExecutor, specs: Sequence[CompareSpec], previous: dict
 
 
 def _sweep(pool: ProcessPoolExecutor, lanes: list[saturation.Lane], profile: str,
-           previous: dict[PointKey, PolicyPoint]) -> list[PolicyPoint]:
+           previous: dict[PointKey, PolicyPoint], belief: tuple[str, str] = ("", "")) -> list[PolicyPoint]:
     """The sweeps, rung by rung; within a rung the lanes that cost most at the rung below are
     sent first (longest first: the rung ends when its last point does, so a heavy point sent
     last would leave the other processes idle)."""
@@ -523,8 +549,8 @@ def _sweep(pool: ProcessPoolExecutor, lanes: list[saturation.Lane], profile: str
 
     def run(todo: list[tuple[saturation.Lane, float]], rung: int) -> list[PolicyPoint]:
         order = sorted(range(len(todo)), key=lambda i: -cost.get(todo[i][0], 0.0))
-        specs = [CompareSpec(profile, lane.config, lane.link, lane.workload, rate, lane.policy, lane.seed)
-                 for lane, rate in (todo[i] for i in order)]
+        specs = [CompareSpec(profile, lane.config, lane.link, lane.workload, rate, lane.policy, lane.seed,
+                             *belief) for lane, rate in (todo[i] for i in order)]
         points = _run(pool, specs, previous, f"sim compare sweeps, rung {rung + 1}")
         out: list[PolicyPoint] = [points[0]] * len(todo)
         for i, point in zip(order, points, strict=True):
@@ -538,6 +564,9 @@ def _sweep(pool: ProcessPoolExecutor, lanes: list[saturation.Lane], profile: str
 def main(args: argparse.Namespace) -> int:
     try:
         load_profile(args.profile)
+        if args.router_profile:
+            load_profile(args.router_profile)
+        believed_link(args.router_link_bandwidth, link_preset(LINKS[0]))  # a bad value: one line here
         policies = args.policies or policy_names(args.weights)
         swept = args.sweep_policies or sweep_policies(policies)
         unknown = [p for p in dict.fromkeys([*policies, *swept])
@@ -549,7 +578,8 @@ def main(args: argparse.Namespace) -> int:
         return cli_error(exc)
     grid = [w for w in args.workloads if w not in saturation.SWEEPS]
     seed_list = args.seeds or [args.seed]
-    specs = [CompareSpec(args.profile, c, link, w, r, policy, seed) for c in args.configs
+    belief = (args.router_profile or "", args.router_link_bandwidth or "")
+    specs = [CompareSpec(args.profile, c, link, w, r, policy, seed, *belief) for c in args.configs
              for link in args.links for w in grid for r in args.rates for seed in seed_list
              for policy in policies]
     lanes = [saturation.Lane(c, link, w, policy, seed) for c in args.configs for link in args.sweep_links
@@ -563,14 +593,19 @@ def main(args: argparse.Namespace) -> int:
         if report.profile != args.profile:
             return cli_error(f"--reuse {args.reuse} was run with profile {report.profile}, "
                              f"not {args.profile}")
+        if (report.router_profile, report.router_link) != belief:
+            said = f"{report.router_profile or 'none'} and {report.router_link or 'none'}"
+            return cli_error(f"--reuse {args.reuse} was run with --router-profile and "
+                             f"--router-link-bandwidth {said}; run it with the same")
         previous = {_key(p): p for p in report.points}
     started = time.monotonic()
     with ProcessPoolExecutor(args.jobs) as pool:
         points = _run(pool, specs, previous, "sim compare")
-        points += _sweep(pool, lanes, args.profile, previous)
+        points += _sweep(pool, lanes, args.profile, previous, belief)
     wall = time.monotonic() - started
     reused = sum(_key(p) in previous for p in points)
-    report = compare(points, args.links, args.weights, args.profile, seed_list)
+    report = msgspec.structs.replace(compare(points, args.links, args.weights, args.profile, seed_list),
+                                     router_profile=belief[0], router_link=belief[1])
     text = markdown(report, "dynamo-ppd " + " ".join(sys.argv[1:]), wall, reused, args.out.name)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
