@@ -79,3 +79,19 @@ def test_the_live_shells_predict_with_the_link_they_are_given():
     assert default.predictor.link_bandwidth == profile_link
     with pytest.raises(SystemExit):
         parse_args(["--link-bandwidth-gbps", "0"])
+
+
+def test_sim_run_reports_ppd_prediction_errors_by_route(tmp_path, capsys):
+    import json
+
+    from dynamo_ppd.cli import main
+
+    out = tmp_path / "run.json"
+    assert main(["sim", "run", "--router", "ppd", "--config", "2P2D", "--workload", "wildchat", "--qps", "4",
+                 "--duration", "20", "--router-link-bandwidth", "0.25x", "--json", str(out)]) == 0
+    assert "TTFT err p50" in capsys.readouterr().out
+    errors = json.loads(out.read_text())["prediction_errors"]
+    local = errors["decode_local"]
+    assert local["follow_ups"] > 50
+    assert local["ttft_error_p10"] <= local["ttft_error_p50"] <= local["ttft_error_p90"]
+    assert local["ttft_abs_error_mean"] >= 0

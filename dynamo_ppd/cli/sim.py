@@ -143,6 +143,23 @@ def format_summary(result: SimResult) -> str:
                       f"({result.speed():.1f} simulated s per wall s)"])
 
 
+def format_prediction_errors(summary: dict[str, dict[str, float | int | None]]) -> str:
+    """PPD's prediction errors (observed / predicted - 1) of the finished follow-ups, per route
+    taken: what a wrong belief (``--router-profile``, ``--router-link-bandwidth``) costs it."""
+    def pct(value: float | int | None) -> str:
+        return "-" if value is None else f"{value * 100:+.0f}%"
+
+    lines = [f"{'prediction':<14}{'follow-ups':>11}{'TTFT err p50':>14}{'[p10, p90]':>16}{'|err| mean':>11}"
+             f"{'TPOT err p50':>14}{'[p10, p90]':>16}{'|err| mean':>11}"]
+    for route, row in summary.items():
+        lines.append(f"{route:<14}{row['follow_ups']:>11}{pct(row['ttft_error_p50']):>14}"
+                     f"{'[' + pct(row['ttft_error_p10']) + ', ' + pct(row['ttft_error_p90']) + ']':>16}"
+                     f"{pct(row['ttft_abs_error_mean']).lstrip('+'):>11}{pct(row['tpot_error_p50']):>14}"
+                     f"{'[' + pct(row['tpot_error_p10']) + ', ' + pct(row['tpot_error_p90']) + ']':>16}"
+                     f"{pct(row['tpot_abs_error_mean']).lstrip('+'):>11}")
+    return "\n".join(lines)
+
+
 def _workload(args: argparse.Namespace) -> tuple[list[Conversation], float | None, str]:
     """The run's conversations, the turns' timeout and how the header line names them."""
     if args.workload is not None:
@@ -221,12 +238,16 @@ def main(args: argparse.Namespace) -> int:
     print(f"{args.config} router {router_name}, profile {profile.name}: {len(conversations)} conversations "
           f"{workload} at {args.qps:g}/s for {args.duration:g} s")
     print(format_summary(result))
+    predictions = getattr(router, "predictions", None)
+    errors = predictions.error_summary() if predictions is not None else {}
+    if errors:
+        print(format_prediction_errors(errors))
     if args.json is not None:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                     if not callable(v)}
         settings["timeout"] = timeout_s
-        document = {"settings": settings, "summary": result.summary(), "records": result.records,
-                    "in_flight": result.in_flight}
+        document = {"settings": settings, "summary": result.summary(), "prediction_errors": errors,
+                    "records": result.records, "in_flight": result.in_flight}
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(document)))
         print(f"wrote {args.json}")
     return 0

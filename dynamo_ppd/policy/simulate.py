@@ -17,7 +17,7 @@ from ..sim.outcome import CHAT_TIMEOUT_S, PAPER_TIMEOUT_S
 from ..sim.routing import least_loaded_prefill, local_router, pd_router
 from ..sim.run import SimResult
 from ..workloads.generators import PAPER_KILL_AFTER_S, PAPER_TURNS, paper_arrivals
-from .decision import Decision, Mode, Policy, PolicyConfig, ProfilePredictor, Route, WorkerLoad
+from .decision import Decision, Mode, Observed, Policy, PolicyConfig, ProfilePredictor, Route, WorkerLoad
 from .grid import ContextClass, WorkloadClass
 from .placement import ClusterState, Placement, Routed, TurnRequest, place
 from .qps import SlidingWindowRate
@@ -92,6 +92,26 @@ class PredictionLog:
         self.decisions = 0  # follow-up decisions
         self._sums = dict.fromkeys(self.FIELDS, 0.0)
         self._counts = dict.fromkeys(self.FIELDS, 0)
+        # Each finished follow-up's prediction error (observed / predicted - 1, the policy's
+        # `Observed`) by the route it took: (TTFT error, TPOT error or None).
+        self.errors: dict[str, list[tuple[float, float | None]]] = {}
+
+    def observed(self, observed: Observed) -> None:
+        self.errors.setdefault(observed.route.value, []).append((observed.ttft_error, observed.tpot_error))
+
+    def error_summary(self) -> dict[str, dict[str, float | int | None]]:
+        """Per route: follow-ups, and the TTFT and TPOT errors' median, 10th and 90th percentiles
+        and mean absolute value (None where there is none)."""
+        out: dict[str, dict[str, float | int | None]] = {}
+        for route, pairs in sorted(self.errors.items()):
+            row: dict[str, float | int | None] = {"follow_ups": len(pairs)}
+            for name, values in (("ttft", sorted(t for t, _ in pairs)),
+                                 ("tpot", sorted(p for _, p in pairs if p is not None))):
+                for label, q in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9)):
+                    row[f"{name}_error_{label}"] = values[int(q * (len(values) - 1))] if values else None
+                row[f"{name}_abs_error_mean"] = sum(abs(v) for v in values) / len(values) if values else None
+            out[route] = row
+        return out
 
     def _add(self, name: str, value: float | None) -> None:
         if value is not None:
@@ -156,7 +176,9 @@ class PolicyRouter:
         decision = self._pending.pop((record.conversation_id, record.turn), None)
         if decision is not None and record.turn > 1:
             self.predictions.finished(decision.route, record.ttft_s, record.tpot_s)
-            self.policy.observe(decision, record.ttft_s, record.tpot_s)
+            observed = self.policy.observe(decision, record.ttft_s, record.tpot_s)
+            if observed is not None:
+                self.predictions.observed(observed)
 
 
 def policy_router(policy: Policy, window_s: float = 10.0) -> PolicyRouter:
