@@ -7,11 +7,13 @@ through a prefill worker again (``via_prefill``, x=0). Which one depends on the 
 - ``pd``: always via prefill (classic disaggregation).
 - ``local``: always decode-local when the decode worker still holds the history.
 - ``fraction``: decode-local for a fixed, deterministic share of follow-ups.
-- ``ppd``: the score S of decode-local against via prefill, decode-local unless S is below
-  minus its margin. Without a table (the default), S is the cost model's, priced as the fleet
-  pays it (`predictor`: the request's own TTFT and TPOT and what its append costs the sequences
-  it delays, over the fleet's mean follow-up TTFT and TPOT), its predictions corrected per route
-  and bucket by observed outcomes and its margin the error of those corrected means (`learning`).
+- ``ppd``: the score S of decode-local against via prefill, decode-local when S >= 0. Without
+  a table (the default), S is the cost model's, priced as the fleet pays it (`predictor`: the
+  request's own TTFT and TPOT and what its append costs the sequences it delays; `congestion`:
+  the TTFT its work costs the requests that reach the same pool after it; over the fleet's mean
+  follow-up TTFT and TPOT), its predictions corrected per route and bucket by observed outcomes
+  (`learning`); where S is within the error of those corrected means (its margin), a route not
+  seen lately in the request's bucket is explored now and then.
   With a table (``--table auto|PATH``), S is the paper's: the measured score of the request's
   grid cell plus an online correction, how much the cost model says the score moves from the
   conditions the cell was measured under (its representative context and workload, the loads
@@ -30,6 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from .congestion import PoolTraffic
 from .features import RequestFeatures, WorkerLoad, moves_to_best
 from .learning import Calibration, FleetMeans, bucket_of
 from .predictor import ProfilePredictor, RouteCosts
@@ -96,9 +99,11 @@ class PolicyConfig:
     min_resident_fraction: float = 0.5
 
 
-# Exploration: where the margin is thin, a follow-up whose bucket has not seen the via-prefill
-# route within EXPLORE_AFTER outcomes goes that way with this probability (hashed per request).
-EXPLORE_SHARE = 0.05
+# Exploration: where the margin is thin, a follow-up whose bucket has not seen the other route
+# within its last EXPLORE_AFTER outcomes (or too few times to have its own correction) goes that
+# way with this probability (hashed per request). At 5% it cost up to 13 points of the paper
+# grid's share at w_tpot 6 (short runs, an exact model); at 1% nothing measurable.
+EXPLORE_SHARE = 0.01
 EXPLORE_AFTER = 200
 
 
@@ -115,6 +120,7 @@ class Policy:
         self.online_correction = online_correction
         self.calibration = Calibration()
         self.fleet = FleetMeans()
+        self.pools = PoolTraffic()  # what each pool is sent, for the congestion a route adds
         self.set_table(table)
         self._weights = Weights(config.w_ttft, config.w_tpot)
 
@@ -125,8 +131,10 @@ class Policy:
         if mode is Mode.REPLICA:
             return Decision(Route.REPLICA, "replica_mode")
         if f.turn <= 1 or not f.has_session_decode:
+            self._sent(Route.VIA_PREFILL, f)
             return Decision(Route.VIA_PREFILL, "first_turn" if f.turn <= 1 else "no_decode_worker")
         if history_tokens and f.cached_on_decode < self.config.min_resident_fraction * history_tokens:
+            self._sent(Route.VIA_PREFILL, f)
             return Decision(Route.VIA_PREFILL, "history_evicted")
         if mode is Mode.PD:
             return Decision(Route.VIA_PREFILL, "pd_mode")
@@ -141,7 +149,8 @@ class Policy:
         local_p, via_p = self._calibrated(local_c, via_c, bucket)
         if self.table is None:
             ref = self._reference(via_p)
-            s, measured, key = self._score(local_c, via_p, local_p, ref), None, None
+            local_q, via_q = self._congestion(f, local_c, via_c, local_p, via_p)
+            s, measured, key = self._score(local_c, via_p, local_p, ref, local_q, via_q), None, None
             margin = self._margin(local_p, via_p, bucket, ref)
             reason = "predicted"
         else:
@@ -161,16 +170,20 @@ class Policy:
                 nominal = score(*self._calibrated(n_local, n_via, bucket), w_ttft, w_tpot)
                 s += score(local_p, via_p, w_ttft, w_tpot) - nominal
                 reason = "table_corrected"
-        # Going through a prefill worker moves the whole context's KV; it must be predicted to
-        # pay by more than the prediction's own measured error, or the turn stays local.
-        route = Route.VIA_PREFILL if s < -margin else Route.DECODE_LOCAL
-        if (route is Route.DECODE_LOCAL and self.online_correction and s < margin
-                and self.calibration.stale(Route.VIA_PREFILL.value, bucket, EXPLORE_AFTER)
+        # The route the corrected score favours, whatever its margin: an error that can go either
+        # way favours neither route, and holding turns local until via prefill was proven kept
+        # them on a busy decode worker (3P1D at high rates) long after it stopped paying. The
+        # margin says where the call is thin: there a route not seen lately is explored.
+        route = Route.VIA_PREFILL if s < 0 else Route.DECODE_LOCAL
+        other = Route.VIA_PREFILL if route is Route.DECODE_LOCAL else Route.DECODE_LOCAL
+        if (self.online_correction and abs(s) < margin
+                and self.calibration.stale(other.value, bucket, EXPLORE_AFTER)
                 and _unit_hash("explore:" + f.decision_key) < EXPLORE_SHARE):
             # A thin margin, and the other route has not been seen here for a while: try it now
             # and then, or its correction goes stale and the margin never shrinks.
-            route, reason = Route.VIA_PREFILL, "explore"
+            route, reason = other, "explore"
         raw = local_c.own if route is Route.DECODE_LOCAL else via_c.own
+        self._sent(route, f)
         return Decision(route, reason, s, local_p, via_p, key, measured, raw=raw, bucket=bucket,
                         margin=margin)
 
@@ -188,15 +201,46 @@ class Policy:
             return Prediction(self.fleet.ttft_s, self.fleet.tpot_s)
         return via
 
-    def _score(self, local_c: RouteCosts, via: Prediction, local: Prediction, ref: Prediction) -> float:
-        """The score priced as the fleet pays it: the TTFT this request gains or loses, and the
-        TPOT it and the sequences its append delays pay (`predictor`), each over ``ref``."""
+    def _score(self, local_c: RouteCosts, via: Prediction, local: Prediction, ref: Prediction,
+               local_q: float = 0.0, via_q: float = 0.0) -> float:
+        """The score priced as the fleet pays it: the TTFT this request gains or loses, the TPOT
+        it and the sequences its append delays pay (`predictor`), and the TTFT each route's
+        queued work costs the requests after it (``local_q``, ``via_q``: `congestion`), each
+        over ``ref``."""
         others = 0.0
         if local_c.own.tpot_s:
             # The others' delay is the model's; it is corrected as this worker's TPOT is.
             others = local_c.others_tpot_s * local.tpot_s / local_c.own.tpot_s
-        charged = Prediction(local.ttft_s, local.tpot_s + others)
-        return score(charged, via, self.config.w_ttft, self.config.w_tpot, ref)
+        charged = Prediction(local.ttft_s + local_q, local.tpot_s + others)
+        return score(charged, Prediction(via.ttft_s + via_q, via.tpot_s), self.config.w_ttft,
+                     self.config.w_tpot, ref)
+
+    def _work_s(self, route: Route, f: RequestFeatures) -> float:
+        """The prompt work (seconds of prefill, the predictor's fluid rate) ``route`` puts on its
+        pool: the append's new tokens on the decode worker, or what the prefill worker does not hold."""
+        if not isinstance(self.predictor, ProfilePredictor):
+            return 0.0
+        tokens = f.new_tokens if route is Route.DECODE_LOCAL else f.prompt_tokens - f.cached_on_prefill
+        return max(1, tokens) * self.predictor.prefill_s_per_token
+
+    def _sent(self, route: Route, f: RequestFeatures) -> None:
+        if self.config.mode is Mode.PPD and isinstance(self.predictor, ProfilePredictor):
+            self.pools.record(route is Route.VIA_PREFILL, self._work_s(route, f))
+
+    def _congestion(self, f: RequestFeatures, local_c: RouteCosts, via_c: RouteCosts, local: Prediction,
+                    via: Prediction) -> tuple[float, float]:
+        """(decode-local, via-prefill) seconds of TTFT the route's work costs the requests that
+        reach its pool after it (`congestion`), scaled as the route's TTFT is corrected."""
+        if not isinstance(self.predictor, ProfilePredictor):
+            return 0.0, 0.0
+        out = []
+        for route, costs, corrected, pool, load, workers in (
+                (Route.DECODE_LOCAL, local_c, local, self.pools.decode, f.decode_load, f.decode_workers),
+                (Route.VIA_PREFILL, via_c, via, self.pools.prefill, f.prefill_load, f.prefill_workers)):
+            ratio = corrected.ttft_s / costs.own.ttft_s if costs.own.ttft_s > 0 else 1.0
+            out.append(pool.congestion_s(self._work_s(route, f) * ratio, self.predictor.queue_s(load) * ratio,
+                                         f.qps, workers))
+        return out[0], out[1]
 
     def _margin(self, local: Prediction, via: Prediction, bucket: str, ref: Prediction) -> float:
         """The score's uncertainty from the errors of the routes' learned mean predictions (root

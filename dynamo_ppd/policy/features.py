@@ -33,6 +33,9 @@ class RequestFeatures:
     # (`moves_to_best`, applied by `placement.place`), so its via-prefill TPOT is that worker's,
     # not the session's.
     best_decode_load: WorkerLoad | None = None
+    # The pools' sizes: how many workers the requests sent to each are spread over (`congestion`).
+    prefill_workers: int = 1
+    decode_workers: int = 1
 
     @property
     def new_tokens(self) -> int:

@@ -63,7 +63,7 @@ class _Track:
     ttft_error: float = PRIOR_ERROR
     tpot_error: float = PRIOR_ERROR
     outcomes: int = 0
-    last_outcome: int = -1  # the policy's outcome count when this track last learned
+    last_outcome: int = -1  # its bucket's outcome count (a route's track: all) when it last learned
 
     def learn(self, ttft_ratio: float, tpot_ratio: float | None, ttft_error: float,
               tpot_error: float | None, now: int) -> None:
@@ -88,6 +88,7 @@ class Calibration:
     routes: dict[str, _Track] = field(default_factory=dict)
     buckets: dict[tuple[str, str], _Track] = field(default_factory=dict)
     outcomes: int = 0
+    bucket_outcomes: dict[str, int] = field(default_factory=dict)  # both routes', per bucket
 
     def _track(self, route: str, bucket: str) -> _Track:
         """The bucket's track once it has learned enough, else the route's."""
@@ -113,9 +114,12 @@ class Calibration:
         return track.ttft_error / shrink, track.tpot_error / shrink
 
     def stale(self, route: str, bucket: str, after: int) -> bool:
-        """The route has not learned in this bucket within the last ``after`` outcomes."""
+        """The route has not learned in this bucket within the bucket's last ``after`` outcomes
+        (or has learned too little there to have its own correction)."""
         track = self.buckets.get((route, bucket))
-        return track is None or self.outcomes - track.last_outcome > after
+        if track is None or track.outcomes < MIN_OUTCOMES:
+            return True
+        return self.bucket_outcomes.get(bucket, 0) - track.last_outcome > after
 
     def observe(self, route: str, bucket: str, raw: Prediction, used: Prediction, ttft_s: float,
                 tpot_s: float | None) -> None:
@@ -128,9 +132,10 @@ class Calibration:
         ttft_error = min(CAP, abs(ttft_s / used.ttft_s - 1))
         tpot_error = min(CAP, abs(tpot_s / used.tpot_s - 1)) if tpot_s and used.tpot_s > 0 else None
         self.outcomes += 1
-        learned = (ttft_ratio, tpot_ratio, ttft_error, tpot_error, self.outcomes)
-        self.routes.setdefault(route, _Track()).learn(*learned)
-        self.buckets.setdefault((route, bucket), _Track()).learn(*learned)
+        in_bucket = self.bucket_outcomes[bucket] = self.bucket_outcomes.get(bucket, 0) + 1
+        learned = (ttft_ratio, tpot_ratio, ttft_error, tpot_error)
+        self.routes.setdefault(route, _Track()).learn(*learned, self.outcomes)
+        self.buckets.setdefault((route, bucket), _Track()).learn(*learned, in_bucket)
 
 
 def _bounded(ratio: float) -> float:

@@ -135,7 +135,8 @@ def features(request: TurnRequest[W], state: ClusterState[W], decode: W | None, 
         cached_on_decode=state.cached(decode), cached_on_prefill=state.cached(prefill),
         expected_output_tokens=request.expected_output_tokens, has_session_decode=decode is not None,
         decode_load=state.load(decode), prefill_load=state.load(prefill), qps=request.qps,
-        best_decode_load=state.load(best_decode) if best_decode is not None else None)
+        best_decode_load=state.load(best_decode) if best_decode is not None else None,
+        prefill_workers=max(1, len(state.prefill_workers)), decode_workers=max(1, len(state.decode_workers)))
 
 
 def place(policy: Policy, state: ClusterState[W], request: TurnRequest[W],

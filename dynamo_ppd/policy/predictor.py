@@ -110,6 +110,14 @@ class ProfilePredictor:
         local, via = self.costs(f)
         return local.own, via.own
 
+    @property
+    def prefill_s_per_token(self) -> float:
+        """A prompt token's share of a full prefill chunk: the fluid queue's rate (`_queue_s`)."""
+        return self._prefill_s_per_token
+
+    def queue_s(self, load: WorkerLoad) -> float:
+        return self._queue_s(load)
+
     def _queue_s(self, load: WorkerLoad) -> float:
         """Time the prompt tokens queued on a worker ahead of a new request add to its wait: their
         share of full prefill chunks, linear in the tokens. Not one iteration of that size: an
