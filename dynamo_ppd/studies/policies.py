@@ -593,11 +593,9 @@ def main(args: argparse.Namespace) -> int:
         if report.profile != args.profile:
             return cli_error(f"--reuse {args.reuse} was run with profile {report.profile}, "
                              f"not {args.profile}")
-        if (report.router_profile, report.router_link) != belief:
-            said = f"{report.router_profile or 'none'} and {report.router_link or 'none'}"
-            return cli_error(f"--reuse {args.reuse} was run with --router-profile and "
-                             f"--router-link-bandwidth {said}; run it with the same")
-        previous = {_key(p): p for p in report.points}
+        # PPD's points hold its belief; another belief keeps the other policies' points only.
+        same_belief = (report.router_profile, report.router_link) == belief
+        previous = {_key(p): p for p in report.points if same_belief or not p.policy.startswith("ppd@")}
     started = time.monotonic()
     with ProcessPoolExecutor(args.jobs) as pool:
         points = _run(pool, specs, previous, "sim compare")
@@ -609,8 +607,9 @@ def main(args: argparse.Namespace) -> int:
     text = markdown(report, "dynamo-ppd " + " ".join(sys.argv[1:]), wall, reused, args.out.name)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(text)
-    args.out.with_suffix(".json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    # (Not with_suffix: an out name like policies-link-0.25x has a dot of its own.)
+    (args.out.parent / f"{args.out.name}.md").write_text(text)
+    (args.out.parent / f"{args.out.name}.json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
     for path in [*plot(report, args.out.parent, args.out.name),
                  *sweep_report.plot(report.points, args.out.parent, args.out.name)]:
         print(f"wrote {path}")
