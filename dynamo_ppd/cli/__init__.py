@@ -263,6 +263,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _profile_arg(name: str) -> str:
+    """A profile as a component's --profile: checked here (a bad profile is one line, not a
+    component's crash), a file given by its absolute path."""
+    from ..engine.profile import load_profile
+
+    load_profile(name)
+    path = Path(name)
+    return str(path.resolve()) if path.is_file() else name
+
+
 def _serve(args) -> int:
     from ..launch import ServeOptions, serve
     from ..launch.graph import ROUTING_MODULES, load_graph, ppd_components, speedup_args
@@ -282,27 +292,16 @@ def _serve(args) -> int:
                                  decode_kv_down=kv_down, interval_s=args.planner_interval,
                                  max_workers=args.planner_max_workers, config_file=args.planner_config)
     extra = speedup_args(args.graph, args.dilation)
-    if args.profile:
-        from ..engine.profile import load_profile
-
-        load_profile(args.profile)  # a bad profile is one line here, not a component's crash
-        path = Path(args.profile)
-        profile = str(path.resolve()) if path.is_file() else args.profile
-        graph, _ = load_graph(args.graph)
-        for name in ppd_components(graph):
-            extra[name] = [*extra.get(name, []), "--profile", profile]
-    belief = []
-    if args.router_profile:
-        from ..engine.profile import load_profile
-
-        load_profile(args.router_profile)
-        path = Path(args.router_profile)
-        belief += ["--profile", str(path.resolve()) if path.is_file() else args.router_profile]
+    belief = ["--profile", _profile_arg(args.router_profile)] if args.router_profile else []
     if args.router_link_bandwidth:
         belief += ["--link-bandwidth-gbps", f"{args.router_link_bandwidth:g}"]
-    if belief:
+    if args.profile or belief:
         graph, _ = load_graph(args.graph)
-        for name in ppd_components(graph, ROUTING_MODULES):
+        if args.profile:
+            profile = _profile_arg(args.profile)
+            for name in ppd_components(graph):
+                extra[name] = [*extra.get(name, []), "--profile", profile]
+        for name in ppd_components(graph, ROUTING_MODULES) if belief else []:
             extra[name] = [*extra.get(name, []), *belief]  # (after --profile: the last one counts)
     return serve(ServeOptions(
         graph=args.graph, http_port=args.http_port, nats_port=args.nats_port,

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 
 from .. import model as model_dir
-from ..engine.profile import EngineProfile, believed_link, load_profile
+from ..engine.profile import EngineProfile, load_profile
 from ..policy.decision import Decision, Mode, Observed, Policy, PolicyConfig, ProfilePredictor
 from ..policy.qps import SlidingWindowRate
 from ..policy.table import load_table
@@ -51,8 +51,9 @@ def believed_profile(config: RoutingConfig) -> EngineProfile:
     profile = load_profile(config.profile)
     if config.link_bandwidth_gbps is None:
         return profile
-    return msgspec.structs.replace(profile, transfer=believed_link(str(config.link_bandwidth_gbps),
-                                                                  profile.transfer))
+    transfer = msgspec.structs.replace(profile.transfer,
+                                       link_bandwidth_bytes_s=config.link_bandwidth_gbps * 1e9)
+    return msgspec.structs.replace(profile, transfer=transfer)
 
 
 def build_policy(config: RoutingConfig) -> Policy:
